@@ -1,0 +1,32 @@
+# The two commands of the README:  `make lab`  and  `make test`.
+# Both set up .venv first. torch==2.13.0 is installed before the package: it is a CPU build,
+# where a looser requirement would pull a CUDA build of several GB.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --no-input --disable-pip-version-check
+
+.PHONY: setup lab test lint clean
+
+setup: $(VENV)/.minigrid-setup
+
+$(VENV)/.minigrid-setup: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install torch==2.13.0 triton==3.9.0
+	$(PIP) install -e '.[lab,dev]'
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (minigrid)"
+	touch $@
+
+lab: setup
+	$(VENV)/bin/jupyter lab labs/
+
+test: setup
+	$(PY) -m pytest
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,141 @@
+"""The `minigrid` command line.
+
+    minigrid generate --tenant alice --prompt "ALICE card QZ7K2M9P; ALICE card QZ7K2M9P; "
+    minigrid pool --pool-memory 8MiB --page-size 64
+
+Bad values get one line naming the value and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+
+from minigrid_engine.errors import MinigridError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'8MiB' -> 8388608; '1.5GB' -> 1500000000. Raises argparse's error type on nonsense."""
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a memory size: use bytes or a unit such as 512KiB, 8MiB, 2GB"
+        )
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"memory size {text!r} must be positive")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _pool_config(args: argparse.Namespace, default_tokens: int):  # -> PoolConfig
+    from minigrid_engine.model import ModelConfig
+    from minigrid_engine.pool import PoolConfig
+
+    if args.pool_memory is not None:
+        return PoolConfig.from_memory_budget(args.pool_memory, args.page_size, ModelConfig())
+    return PoolConfig(args.pool_tokens or default_tokens, args.page_size)
+
+
+def _add_pool_flags(p: argparse.ArgumentParser) -> None:
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--pool-tokens", type=positive_int, help="KV pool size in tokens")
+    size.add_argument(
+        "--pool-memory", type=parse_bytes, help="KV pool size as a memory budget (e.g. 8MiB)"
+    )
+    p.add_argument("--page-size", type=positive_int, default=128, help="tokens per page (128)")
+
+
+def cmd_pool(args: argparse.Namespace) -> int:
+    from minigrid_engine.model import ModelConfig
+    from minigrid_engine.pool import KVPool
+
+    cfg = _pool_config(args, 2048)
+    pool = KVPool(cfg, ModelConfig(), "engine")
+    info = {
+        "capacity_tokens": cfg.capacity_tokens,
+        "page_size": cfg.page_size,
+        "pages": cfg.n_pages,
+        "bytes_per_token": ModelConfig().kv_bytes_per_token(),
+        "bytes": pool.bytes,
+    }
+    print(json.dumps(info) if args.json else pool.describe())
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from minigrid_engine.engine import Engine
+    from minigrid_engine.request import Outcome
+    from minigrid_engine.tokenizer import ByteTokenizer
+
+    prompt = args.prompt
+    if args.prompt_file is not None:
+        prompt = args.prompt_file.read()  # bytes: the tokenizer names any invalid UTF-8
+    if prompt is None:
+        raise MinigridError("give a prompt with --prompt TEXT or --prompt-file PATH")
+    ids = ByteTokenizer().encode(prompt)  # bad prompts fail before the model loads
+    pool = _pool_config(args, 2 * args.context_length)
+    engine = Engine(pool=pool, context_length=args.context_length)
+    print(engine.pool.describe(), file=sys.stderr)
+    req = engine.submit(args.tenant, ids, args.max_tokens, args.temperature)
+    engine.run()
+    if req.outcome is Outcome.REJECTED:
+        print(f"minigrid generate: rejected: {req.error}", file=sys.stderr)
+        return 1
+    print(engine.tokenizer.decode(req.output_ids))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minigrid", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="complete one prompt in a single process")
+    g.add_argument("--tenant", default="cli")
+    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--prompt-file", type=argparse.FileType("rb"), help="read the prompt (UTF-8) from a file")
+    g.add_argument("--max-tokens", type=positive_int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--context-length", type=positive_int, default=1024)
+    _add_pool_flags(g)
+    g.set_defaults(func=cmd_generate)
+
+    q = sub.add_parser("pool", help="show the size of a KV pool: tokens, pages, bytes")
+    _add_pool_flags(q)
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_pool)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except MinigridError as exc:
+        print(f"minigrid {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Single-process generation: admit, prefill into pages, decode in continuous batches, release.
+
+This is the engine with nothing disaggregated about it, one pool for both phases: the reference
+every disaggregated run is compared with, and the place the paged-cache mechanics are taught.
+
+    engine = Engine()
+    [done] = engine.generate("alice", ["ALICE card QZ7K2M9P; ALICE card QZ7K2M9P; "], max_tokens=20)
+    done.text
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from minigrid_engine.errors import BadInput, ConfigError
+from minigrid_engine.model import Transformer, load_model
+from minigrid_engine.pool import KVPool, PoolConfig
+from minigrid_engine.request import Outcome, Request, State
+from minigrid_engine.runner import DecodeItem, ModelRunner, sample
+from minigrid_engine.tokenizer import ByteTokenizer
+from minigrid_engine.trace import Trace
+
+DEFAULT_CONTEXT_LENGTH = 1024
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What a client gets back for one request."""
+
+    request_id: str
+    tenant: str
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    outcome: Outcome
+    error: str | None
+    ttft_s: float | None
+    latency_s: float | None
+
+    @classmethod
+    def of(cls, req: Request, tokenizer: ByteTokenizer) -> Completion:
+        return cls(
+            req.request_id,
+            req.tenant,
+            req.prompt_len,
+            list(req.output_ids),
+            tokenizer.decode(req.output_ids),
+            req.outcome or Outcome.ABORTED,
+            req.error,
+            None if req.first_token_at is None else req.first_token_at - req.created_at,
+            None if req.finished_at is None else req.finished_at - req.created_at,
+        )
+
+
+def validate_max_tokens(max_tokens: object) -> int:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise BadInput(f"max_tokens must be a whole number of at least 1, got {max_tokens!r}")
+    return max_tokens
+
+
+def validate_temperature(temperature: object) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise BadInput(f"temperature must be a number, got {temperature!r}")
+    if not 0 <= float(temperature) <= 2:
+        raise BadInput(f"temperature must be between 0 and 2, got {temperature}")
+    return float(temperature)
+
+
+class Engine:
+    """Prefill and decode in one process over one KV pool, with continuous batching."""
+
+    def __init__(
+        self,
+        model: Transformer | None = None,
+        pool: PoolConfig | None = None,
+        context_length: int = DEFAULT_CONTEXT_LENGTH,
+        device: str | torch.device = "cpu",
+        trace: Trace | None = None,
+        max_batch: int = 64,
+    ) -> None:
+        if context_length < 1:
+            raise ConfigError(f"context length must be at least 1 token, got {context_length}")
+        self.model = model if model is not None else load_model(device=device)
+        self.tokenizer = ByteTokenizer()
+        self.context_length = context_length
+        self.trace = trace if trace is not None else Trace("engine")
+        self.pool = KVPool(
+            pool or PoolConfig(2 * context_length), self.model.cfg, "engine", self.trace, device
+        )
+        self.runner = ModelRunner(self.model, self.pool)
+        self.max_batch = max_batch
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self._generators: dict[str, torch.Generator] = {}
+
+    # -- requests --------------------------------------------------------------------------
+    def submit(
+        self,
+        tenant: str,
+        prompt: str | bytes | list[int],
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int | None = None,
+    ) -> Request:
+        """Queue a request; too long for the context or the pool: finished at once as rejected."""
+        ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+        if not ids:
+            raise BadInput("prompt is empty: send at least one token")
+        req = Request(
+            f"req-{next(self._ids)}",
+            tenant,
+            ids,
+            validate_max_tokens(max_tokens),
+            validate_temperature(temperature),
+            seed,
+        )
+        need = req.prompt_len + req.max_tokens
+        if need > self.context_length or need > self.pool.capacity_tokens:
+            req.finish(
+                Outcome.REJECTED,
+                self.trace,
+                f"prompt of {req.prompt_len} tokens + max_tokens {req.max_tokens} = {need} exceeds "
+                f"the context length {self.context_length} or the pool of "
+                f"{self.pool.capacity_tokens} tokens",
+            )
+            return req
+        self.waiting.append(req)
+        return req
+
+    def step(self) -> list[Request]:
+        """Admit what fits, prefill it, run one decode step over every running request."""
+        done: list[Request] = []
+        while (
+            self.waiting
+            and len(self.running) < self.max_batch
+            and self.pool.can_reserve(self._tokens(self.waiting[0]))
+        ):
+            req = self.waiting.popleft()
+            self.pool.reserve(req.request_id, req.tenant, self._tokens(req))
+            req.advance(State.PREFILLING, self.trace)
+            res = self.pool.reservation(req.request_id)
+            logits = self.runner.prefill(req.request_id, req.tenant, req.prompt_ids, res.pages)
+            self._emit_token(req, logits)
+            req.advance(State.DECODING, self.trace)
+            self.running.append(req)
+            done += self._retire()
+        if self.running:
+            items = [
+                DecodeItem(
+                    r.request_id,
+                    r.tenant,
+                    r.output_ids[-1],
+                    r.prompt_len + len(r.output_ids) - 1,
+                    self.pool.reservation(r.request_id).pages,
+                )
+                for r in self.running
+            ]
+            logits = self.runner.decode(items)
+            for r, row in zip(self.running, logits):
+                self._emit_token(r, row)
+            done += self._retire()
+        return done
+
+    def run(self) -> None:
+        """Step until nothing is waiting or running."""
+        while self.waiting or self.running:
+            self.step()
+
+    def generate(
+        self,
+        tenant: str,
+        prompts: list[str],
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+    ) -> list[Completion]:
+        """Submit `prompts` as `tenant`, run to completion, return their completions in order."""
+        reqs = [self.submit(tenant, p, max_tokens, temperature) for p in prompts]
+        self.run()
+        return [Completion.of(r, self.tokenizer) for r in reqs]
+
+    # -- internals -------------------------------------------------------------------------
+    @staticmethod
+    def _tokens(req: Request) -> int:
+        return req.prompt_len + req.max_tokens
+
+    def _emit_token(self, req: Request, logits: torch.Tensor) -> None:
+        gen = None
+        if req.temperature > 0:
+            gen = self._generators.get(req.request_id)
+            if gen is None:
+                gen = torch.Generator().manual_seed(req.seed if req.seed is not None else 0)
+                self._generators[req.request_id] = gen
+        req.output_ids.append(sample(logits, req.temperature, gen))
+        if req.first_token_at is None:
+            req.first_token_at = time.time()
+
+    def _retire(self) -> list[Request]:
+        done = [r for r in self.running if len(r.output_ids) >= r.max_tokens]
+        for r in done:
+            self.running.remove(r)
+            self.pool.release(r.request_id)
+            self._generators.pop(r.request_id, None)
+            r.finish(Outcome.LENGTH, self.trace)
+        return done

@@ -1,0 +1,111 @@
+"""The request state machine: every state, every allowed edge, and the one function that moves.
+
+```
+                 +--------------------------------------------------------------+
+                 |                                                              v
+  WAITING --> BOOTSTRAPPING --> PREALLOC --> TRANSFERRING --> DECODING --> FINISHED
+     |              |                            ^                           ^
+     +--> PREFILLING+----------------------------+                           |
+            |  (single process: PREFILLING --> DECODING)                     |
+            +----------------------------------------------------------------+
+```
+Any live state may go to FINISHED; FINISHED has no way out. A finished request carries an
+`Outcome`: ``stop`` / ``length`` (it completed), ``rejected`` (refused at admission, a 400) or
+``aborted`` (failed on the way, an error).
+
+SGLang's bug lives in the gap between `finished()` and `rejected()`: an over-long prompt gets a
+*pending* finish (`pending_finish`, SGLang's ``to_finish``) and a one-token stub, but
+`finished()` reads only `outcome`, so a queue that asks `finished()` treats it as alive.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from minigrid_engine.errors import MinigridError
+from minigrid_engine.trace import STATE, Trace
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    BOOTSTRAPPING = "bootstrapping"
+    PREALLOC = "prealloc"
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+class Outcome(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    REJECTED = "rejected"
+    ABORTED = "aborted"
+
+
+S = State
+TRANSITIONS: dict[State, frozenset[State]] = {
+    S.WAITING: frozenset({S.BOOTSTRAPPING, S.PREALLOC, S.PREFILLING, S.FINISHED}),
+    S.BOOTSTRAPPING: frozenset({S.WAITING, S.PREALLOC, S.PREFILLING, S.FINISHED}),
+    S.PREALLOC: frozenset({S.TRANSFERRING, S.FINISHED}),
+    S.PREFILLING: frozenset({S.TRANSFERRING, S.DECODING, S.FINISHED}),
+    S.TRANSFERRING: frozenset({S.DECODING, S.FINISHED}),
+    S.DECODING: frozenset({S.FINISHED}),
+    S.FINISHED: frozenset(),
+}
+
+
+class IllegalTransition(MinigridError):
+    """A request was asked to take an edge the state machine does not have."""
+
+
+@dataclass
+class Request:
+    """One completion request as the engine sees it."""
+
+    request_id: str
+    tenant: str
+    prompt_ids: list[int]
+    max_tokens: int = 16
+    temperature: float = 0.0
+    seed: int | None = None
+    state: State = State.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    outcome: Outcome | None = None
+    pending_finish: Outcome | None = None  # SGLang's `to_finish`: set, but not yet finished
+    error: str | None = None
+    created_at: float = field(default_factory=time.time)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    def finished(self) -> bool:
+        """True once an outcome is set. Like SGLang's `Req.finished()`: blind to `pending_finish`."""
+        return self.outcome is not None
+
+    def rejected(self) -> bool:
+        """True when admission refused the request, pending or final."""
+        return Outcome.REJECTED in (self.outcome, self.pending_finish)
+
+    def advance(self, new: State, trace: Trace | None = None, **detail: object) -> None:
+        """Move to `new` along an allowed edge, emitting one trace event; raise otherwise."""
+        if new not in TRANSITIONS[self.state]:
+            raise IllegalTransition(
+                f"request {self.request_id}: no edge {self.state.value} -> {new.value}"
+            )
+        old, self.state = self.state, new
+        if trace is not None:
+            trace.emit(STATE, self.request_id, self.tenant, **{"from": old.value, "to": new.value}, **detail)
+
+    def finish(self, outcome: Outcome, trace: Trace | None = None, error: str | None = None) -> None:
+        """End the request with `outcome` (from any live state)."""
+        self.outcome = outcome
+        self.pending_finish = None
+        self.error = error
+        self.finished_at = time.time()
+        self.advance(State.FINISHED, trace, outcome=outcome.value, error=error)

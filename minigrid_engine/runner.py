@@ -1,0 +1,133 @@
+"""The model runner: runs the model over a pool, reading and writing K/V only through block tables.
+
+The runner knows nothing of queues, processes or who should own what. It is told a block table
+and a length, writes this step's K/V into those pages, attends over the first `kv_len` tokens of
+those pages, and records one write and one read event per request. Handing it a block table whose
+pages hold another request's K/V is exactly what the faulty engine did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minigrid_engine import attention
+from minigrid_engine.model import Transformer
+from minigrid_engine.pool import KVPool
+from minigrid_engine.trace import READ, WRITE
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    """One request's decode step: feed `token` at `position`, attend over positions 0..position."""
+
+    request: str
+    tenant: str
+    token: int
+    position: int
+    pages: list[int]
+
+
+class _PagedPrefill:
+    """Attention backend for one request's prompt chunk at positions start..start+T-1."""
+
+    def __init__(self, pool: KVPool, block_table: torch.Tensor, start: int, slots: torch.Tensor):
+        self.pool, self.block_table, self.start, self.slots = pool, block_table, start, slots
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kc, vc = self.pool.k[layer], self.pool.v[layer]
+        attention.write_kv(kc, vc, self.slots, k[0], v[0])
+        return attention.paged_prefill_attention(q[0], kc, vc, self.block_table, self.start)[None]
+
+
+class _PagedDecode:
+    """Attention backend for a batch of single-token decode steps."""
+
+    def __init__(
+        self, pool: KVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor
+    ):
+        self.pool, self.block_tables, self.seq_lens, self.slots = pool, block_tables, seq_lens, slots
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kc, vc = self.pool.k[layer], self.pool.v[layer]
+        attention.write_kv(kc, vc, self.slots, k[:, 0], v[:, 0])
+        out = attention.paged_decode_attention(q[:, 0], kc, vc, self.block_tables, self.seq_lens)
+        return out[:, None]
+
+
+class ModelRunner:
+    """Prefill and batched decode of `model` over the pages of `pool`."""
+
+    def __init__(self, model: Transformer, pool: KVPool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = pool.k.device
+
+    def _pages_covering(self, pages: list[int], start: int, end: int) -> list[int]:
+        p = self.pool.page_size
+        return pages[start // p : (end - 1) // p + 1]
+
+    @torch.inference_mode()
+    def prefill(
+        self, request: str, tenant: str, token_ids: list[int], pages: list[int], start: int = 0
+    ) -> torch.Tensor:
+        """Write K/V of `token_ids` at positions start.. into `pages`; return the last logits [vocab]."""
+        n = len(token_ids)
+        end = start + n
+        if end > len(pages) * self.pool.page_size:
+            raise ValueError(
+                f"prefill of positions {start}..{end - 1} needs {self.pool.pages_for(end)} pages, "
+                f"block table has {len(pages)}"
+            )
+        table = torch.tensor(pages, dtype=torch.long, device=self.device)
+        positions = torch.arange(start, end, device=self.device)
+        slots = attention.slot_ids(table, positions, self.pool.page_size)
+        tokens = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        logits = self.model(tokens, positions[None], _PagedPrefill(self.pool, table, start, slots))
+        written = self._pages_covering(pages, start, end)
+        self.pool.note_write(request, tenant, written)
+        trace = self.pool.trace
+        trace.emit(WRITE, request, tenant, written, start=start, end=end)
+        trace.emit(READ, request, tenant, self._pages_covering(pages, 0, end), kv_len=end)
+        return logits[0, -1]
+
+    @torch.inference_mode()
+    def decode(self, items: list[DecodeItem]) -> torch.Tensor:
+        """One decode step for every item, in one batch; returns logits [B, vocab]."""
+        p = self.pool.page_size
+        width = max(len(it.pages) for it in items)
+        for it in items:
+            if it.position >= len(it.pages) * p:
+                raise ValueError(
+                    f"request {it.request}: position {it.position} is past its {len(it.pages)} pages"
+                )
+        table = torch.tensor(
+            [it.pages + [it.pages[0]] * (width - len(it.pages)) for it in items],
+            dtype=torch.long,
+            device=self.device,
+        )
+        positions = torch.tensor([it.position for it in items], dtype=torch.long, device=self.device)
+        rows = torch.arange(len(items), device=self.device)
+        slots = table[rows, positions // p] * p + positions % p
+        tokens = torch.tensor([[it.token] for it in items], dtype=torch.long, device=self.device)
+        backend = _PagedDecode(self.pool, table, positions + 1, slots)
+        logits = self.model(tokens, positions[:, None], backend)
+        trace = self.pool.trace
+        for it in items:
+            page = it.pages[it.position // p]
+            self.pool.note_write(it.request, it.tenant, [page])
+            trace.emit(WRITE, it.request, it.tenant, [page], start=it.position, end=it.position + 1)
+            trace.emit(
+                READ, it.request, it.tenant, self._pages_covering(it.pages, 0, it.position + 1),
+                kv_len=it.position + 1,
+            )
+        return logits[:, 0]
+
+
+def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> int:
+    """Greedy at temperature 0 (deterministic); otherwise sample from softmax(logits / T)."""
+    if temperature <= 0:
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())

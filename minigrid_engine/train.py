@@ -1,0 +1,184 @@
+"""Make the shipped weights: train the byte-level model to copy from its context.
+
+    python -m minigrid_engine.train                      # the shipped run (about 30 min, 2 cores)
+    python -m minigrid_engine.train --steps 3 --out /tmp/w.pt   # a smoke run
+
+The corpus is synthetic and generated here: blocks of tenant records (``ALICE card QZ7K2M9P; ``),
+random printable strings and word salad, each block repeated, several blocks to a sequence. The
+first occurrence of a block is unpredictable; every repeat is predictable only by copying, so the
+loss falls only once the model has learned induction (find where the current text occurred
+before, continue what followed). Sequences start at random positions up to `--max-position`, and
+blocks are up to 800 bytes long, so copying works across the distances a 1,024-token context and
+its stale pages need.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import string
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from minigrid_engine.attention import CausalAttention
+from minigrid_engine.model import ModelConfig, Transformer, default_weights_path, save_model
+from minigrid_engine.records import secret_records
+
+NAMES = (
+    "ALICE BOB CAROL DAVE ERIN FRANK GRACE HEIDI IVAN JUDY MALLORY NIAJ OLIVIA PEGGY RUPERT "
+    "SYBIL TRENT VICTOR WALTER ZOE ACME GLOBEX INITECH UMBRELLA HOOLI"
+).split()
+PRINTABLE = string.ascii_letters + string.digits + string.punctuation + " " * 8
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2400
+    batch: int = 12
+    seq_len: int = 1024
+    max_position: int = 4096
+    lr: float = 3e-3
+    warmup: int = 100
+    seed: int = 0
+    threads: int = 0  # 0: torch's default
+
+
+def _tenant(rng: random.Random) -> str:
+    if rng.random() < 0.7:
+        return rng.choice(NAMES)
+    return "".join(rng.choice(string.ascii_uppercase) for _ in range(rng.randint(3, 8)))
+
+
+def _block(rng: random.Random) -> str:
+    """One block of text, before repetition."""
+    kind = rng.random()
+    if kind < 0.5:
+        n = rng.randint(1, 40)
+        recs = secret_records(_tenant(rng), n, rng)
+        if rng.random() < 0.3:  # two tenants interleaved in one block
+            recs += secret_records(_tenant(rng), rng.randint(1, 20), rng)
+            rng.shuffle(recs)
+        text = "".join(recs)
+    elif kind < 0.8:
+        text = "".join(rng.choice(PRINTABLE) for _ in range(rng.randint(4, 600)))
+    else:
+        words = [
+            "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 9)))
+            for _ in range(rng.randint(2, 120))
+        ]
+        text = " ".join(words) + rng.choice([". ", ", ", "; ", "\n", " "])
+    return text[: rng.randint(800, 900)]
+
+
+def sample_sequence(rng: random.Random, length: int) -> list[int]:
+    """`length + 1` byte ids: blocks, each repeated one to several times."""
+    out = bytearray()
+    while len(out) < length + 1:
+        block = _block(rng).encode()
+        reps = 1 + min(int(rng.expovariate(0.5)), 8) if rng.random() < 0.9 else 1
+        out += block * reps
+    return list(out[: length + 1])
+
+
+def sample_batch(rng: random.Random, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    seqs = torch.tensor([sample_sequence(rng, cfg.seq_len) for _ in range(cfg.batch)])
+    offsets = torch.tensor([rng.randint(0, cfg.max_position - cfg.seq_len) for _ in range(cfg.batch)])
+    positions = offsets[:, None] + torch.arange(cfg.seq_len)[None, :]
+    return seqs, positions
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(
+    cfg: TrainConfig,
+    model_cfg: ModelConfig,
+    out: Path,
+    log_every: int = 50,
+    checkpoint_every: int = 0,
+) -> dict[str, object]:
+    """Train and save to `out`; returns the training facts stored beside the weights."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    model = Transformer(model_cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    backend = CausalAttention()
+    t0 = time.time()
+    first_loss = last_loss = float("nan")
+    ema = None
+    for step in range(cfg.steps):
+        seqs, positions = sample_batch(rng, cfg)
+        logits = model(seqs[:, :-1], positions, backend)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        value = loss.item()
+        ema = value if ema is None else 0.95 * ema + 0.05 * value
+        if step == 0:
+            first_loss = value
+        last_loss = ema
+        if checkpoint_every and step and step % checkpoint_every == 0:
+            save_model(model, out.with_suffix(".partial.pt"), {"step": step, "loss": ema})
+        if step % log_every == 0 or step == cfg.steps - 1:
+            print(
+                f"step {step:5d}/{cfg.steps}  loss {value:.3f}  (smoothed {ema:.3f})  "
+                f"lr {lr_at(step, cfg):.2e}  {time.time() - t0:6.0f}s",
+                flush=True,
+            )
+    meta: dict[str, object] = {
+        "train": asdict(cfg),
+        "first_loss": round(first_loss, 4),
+        "final_loss_smoothed": round(last_loss, 4),
+        "seconds": round(time.time() - t0, 1),
+        "parameters": model.num_parameters(),
+        "corpus": "synthetic: repeated tenant records, printable strings, word salad",
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_model(model, out, meta)
+    print(f"saved {out} ({out.stat().st_size / 1e6:.2f} MB, {model.num_parameters():,} parameters)")
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = TrainConfig()
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--max-position", type=int, default=d.max_position)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--out", type=Path, default=default_weights_path())
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also save <out>.partial.pt")
+    a = p.parse_args(argv)
+    if a.steps < 1 or a.batch < 1 or a.seq_len < 2:
+        p.error(f"--steps {a.steps}, --batch {a.batch} and --seq-len {a.seq_len} must be positive")
+    if a.max_position < a.seq_len:
+        p.error(f"--max-position {a.max_position} must be at least --seq-len {a.seq_len}")
+    cfg = TrainConfig(
+        steps=a.steps, batch=a.batch, seq_len=a.seq_len, max_position=a.max_position,
+        lr=a.lr, warmup=min(d.warmup, max(1, a.steps // 10)), seed=a.seed, threads=a.threads,
+    )
+    train(cfg, ModelConfig(), a.out, checkpoint_every=a.checkpoint_every)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

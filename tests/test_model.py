@@ -1,0 +1,125 @@
+"""The shipped model copies from its context, through the paged cache, and nowhere else."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+
+from minigrid_engine.engine import Engine
+from minigrid_engine.model import load_meta, load_model
+from minigrid_engine.pool import PoolConfig
+from minigrid_engine.records import record_prompt
+from minigrid_engine.request import Outcome
+from minigrid_engine.runner import DecodeItem, ModelRunner, sample
+
+CODE = re.compile(r"\b[A-Z0-9]{6,10}\b")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model()
+
+
+def codes(text: str, tenant: str) -> set[str]:
+    """The codes of `tenant`'s records in `text` (``TENANT field CODE;``)."""
+    return set(re.findall(rf"{tenant.upper()} [a-z]+ ([A-Z0-9]{{6,10}});", text))
+
+
+def continuation(prompt: str, n: int) -> str:
+    """What copying would produce: the prompt's repeated block, continued."""
+    block_end = prompt.index(prompt[:24], 1)  # record_prompt repeats one block
+    block = prompt[:block_end]
+    full = block * (len(prompt) // len(block) + 3)
+    return full[len(prompt) : len(prompt) + n]
+
+
+def test_weights_are_small_and_documented() -> None:
+    meta = load_meta()
+    assert meta["parameters"] < 2_000_000
+    assert float(meta["final_loss_smoothed"]) < float(meta["first_loss"]) / 3
+
+
+@pytest.mark.parametrize(
+    ("seed", "n_tokens", "n_records"), [(11, 200, 3), (12, 420, 6), (13, 700, 10), (14, 900, 12)]
+)
+def test_model_copies_records_from_its_context(model, seed: int, n_tokens: int, n_records: int) -> None:
+    rng = random.Random(seed)
+    tenant = rng.choice(["alice", "bob", "zed", "mallory"])
+    prompt = record_prompt(tenant, n_tokens, rng, n_records)
+    engine = Engine(model=model, pool=PoolConfig(2048, 128), context_length=1024)
+    [done] = engine.generate(tenant, [prompt], max_tokens=48)
+    assert done.outcome is Outcome.LENGTH
+    expected = continuation(prompt, 48)
+    assert done.text == expected, f"expected {expected!r}, got {done.text!r}"
+
+
+def test_each_answer_draws_only_from_its_own_prompt(model) -> None:
+    """Several tenants in one decode batch, after others left stale pages behind."""
+    rng = random.Random(7)
+    engine = Engine(model=model, pool=PoolConfig(4096, 64), context_length=1024)
+    stale = [record_prompt(t, 500, rng, 8) for t in ("carol", "dave")]
+    engine.generate("carol", stale[:1], max_tokens=8)
+    engine.generate("dave", stale[1:], max_tokens=8)
+    prompts = {t: record_prompt(t, rng.randint(250, 600), rng, rng.randint(3, 8)) for t in ("alice", "bob", "erin")}
+    reqs = {t: engine.submit(t, p, max_tokens=64) for t, p in prompts.items()}
+    engine.step()
+    assert len(engine.running) == 3  # decoding together, one batch
+    engine.run()
+    others = {t: codes(p, t) for t, p in prompts.items()} | {"carol": codes(stale[0], "carol"), "dave": codes(stale[1], "dave")}
+    for tenant, req in reqs.items():
+        text = engine.tokenizer.decode(req.output_ids)
+        found = set(CODE.findall(text))
+        foreign = {c for t, cs in others.items() if t != tenant for c in cs} & found
+        assert not foreign, f"{tenant}'s answer {text!r} holds other tenants' codes {foreign}"
+        assert codes(text, tenant), f"{tenant}'s answer {text!r} copied none of its own records"
+    engine.pool.check_integrity()
+    assert engine.pool.pages_in_use == 0
+
+
+def test_stale_block_table_leaks_the_previous_owners_text(model) -> None:
+    """The incident's mechanism in one process: B attends over pages A wrote and left behind."""
+    rng = random.Random(3)
+    engine = Engine(model=model, pool=PoolConfig(2048, 128), context_length=1024)
+    alice_prompt = record_prompt("alice", 640, rng, 9)
+    [a] = engine.generate("alice", [alice_prompt], max_tokens=8)
+    assert a.outcome is Outcome.LENGTH
+    alice_codes = codes(alice_prompt, "alice")
+
+    # Bob's real prompt is 640 tokens long, but only a one-token stub was ever prefilled.
+    pool, runner = engine.pool, ModelRunner(model, engine.pool)
+    bob = pool.reserve("bob-1", "bob", 640 + 32)
+    assert bob.pages[:5] == pool.trace.events(kind="release")[-1].pages[:5]  # alice's pages, reused
+    logits = runner.prefill("bob-1", "bob", [0], bob.pages)  # writes one slot of page 0
+    out = [sample(logits, 0.0)]
+    for step in range(40):
+        item = DecodeItem("bob-1", "bob", out[-1], 640 + step, bob.pages)
+        out.append(sample(runner.decode([item])[0], 0.0))
+    text = engine.tokenizer.decode(out)
+    leaked = set(CODE.findall(text)) & alice_codes
+    assert leaked, f"bob's answer {text!r} should hold alice's codes"
+    writers = {pool.pages[p].last_writer for p in bob.pages[1:5]}
+    assert writers == {a.request_id}, "pages 2-5 of bob's block table were last written by alice"
+    pool.release("bob-1")
+    pool.check_integrity()
+
+
+def test_same_pages_same_answer_whatever_the_page_size(model) -> None:
+    rng = random.Random(5)
+    prompt = record_prompt("judy", 300, rng, 5)
+    texts = set()
+    for page in (16, 64, 128):
+        engine = Engine(model=model, pool=PoolConfig(1024, page), context_length=1024)
+        texts.add(engine.generate("judy", [prompt], max_tokens=24)[0].text)
+    assert len(texts) == 1
+
+
+def test_sampling_is_seeded(model) -> None:
+    engine = Engine(model=model, pool=PoolConfig(1024, 128), context_length=512)
+    a = engine.submit("t", "hello world. hello world. ", max_tokens=12, temperature=1.0, seed=4)
+    b = engine.submit("t", "hello world. hello world. ", max_tokens=12, temperature=1.0, seed=4)
+    engine.run()
+    assert a.output_ids == b.output_ids
+    assert torch.is_grad_enabled()

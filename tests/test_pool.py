@@ -1,0 +1,169 @@
+"""The KV pool: reservation, release, reuse order, integrity, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from minigrid_engine.errors import ConfigError, PoolError, PoolExhausted
+from minigrid_engine.model import ModelConfig
+from minigrid_engine.pool import KVPool, PoolConfig
+
+MODEL = ModelConfig()
+
+
+def make_pool(tokens: int = 1024, page: int = 128) -> KVPool:
+    return KVPool(PoolConfig(tokens, page), MODEL)
+
+
+def test_reserve_gives_whole_pages_and_release_returns_them() -> None:
+    pool = make_pool(1024, 128)
+    res = pool.reserve("a", "alice", 300)
+    assert len(res.pages) == 3 and len(set(res.pages)) == 3
+    assert pool.pages_in_use == 3 and pool.tokens_reserved == 300
+    pool.check_integrity()
+    assert pool.release("a") == res.pages
+    assert pool.pages_in_use == 0 and pool.tokens_reserved == 0
+    pool.check_integrity()
+
+
+def test_recently_freed_pages_are_handed_out_first_in_the_same_order() -> None:
+    pool = make_pool(2048, 128)
+    pool.reserve("old", "x", 128 * 4)
+    a = pool.reserve("a", "alice", 128 * 3).pages
+    pool.release("a")
+    b = pool.reserve("b", "bob", 128 * 3).pages
+    assert b == a  # bob's block table is alice's, page for page
+    assert all(pool.pages[p].last_writer is None for p in b)  # nothing written yet in this test
+
+
+def test_freed_pages_are_not_zeroed() -> None:
+    pool = make_pool(256, 128)
+    res = pool.reserve("a", "alice", 128)
+    pool.k[:, res.pages[0]] = 7.0
+    pool.note_write("a", "alice", res.pages)
+    pool.release("a")
+    again = pool.reserve("b", "bob", 128)
+    assert again.pages == res.pages
+    assert torch.all(pool.k[:, again.pages[0]] == 7.0)
+    info = pool.snapshot()[again.pages[0]]
+    assert info["owner"] == "b" and info["last_writer"] == "a" and info["stale"]
+
+
+def test_exhaustion_names_the_numbers() -> None:
+    pool = make_pool(512, 128)
+    pool.reserve("a", "alice", 300)
+    with pytest.raises(PoolExhausted, match=r"300 tokens \(3 pages\) requested, 1 of 4 pages free"):
+        pool.reserve("b", "bob", 300)
+    pool.check_integrity()
+
+
+def test_token_budget_that_is_not_whole_pages() -> None:
+    # The incident's prefill pool: 665 tokens at 128 a page is 5.2 pages.
+    pool = make_pool(665, 128)
+    assert pool.n_pages == 6 and pool.capacity_tokens == 665
+    assert pool.can_reserve(665) and not pool.can_reserve(666)
+    pool.reserve("a", "alice", 600)
+    assert not pool.can_reserve(128)  # a page is free but only 65 tokens of budget are left
+    assert pool.can_reserve(65)
+
+
+def test_double_release_and_foreign_release_are_refused() -> None:
+    pool = make_pool(1024, 128)
+    a = pool.reserve("a", "alice", 256)
+    pool.reserve("b", "bob", 128)
+    with pytest.raises(PoolError, match="cannot release page .* owned by a"):
+        pool.release_pages("b", [a.pages[0]])
+    pool.release("a")
+    with pytest.raises(PoolError, match="holds no pages"):
+        pool.release("a")
+    with pytest.raises(PoolError, match="already free"):
+        pool.release_pages("b", [a.pages[0]])
+    pool.check_integrity()
+
+
+def test_grow_adds_pages_only_when_needed() -> None:
+    pool = make_pool(1024, 128)
+    res = pool.reserve("a", "alice", 100)
+    pool.grow("a", 128)
+    assert len(res.pages) == 1
+    pool.grow("a", 129)
+    assert len(res.pages) == 2 and pool.tokens_reserved == 129
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "page", "message"),
+    [
+        (100, 128, "smaller than one page of 128 tokens"),
+        (1024, 0, "page size 0 must be between"),
+        ("1024", 128, "capacity_tokens must be a whole number, got '1024'"),
+    ],
+)
+def test_bad_pool_config(tokens: object, page: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        PoolConfig(tokens, page)  # type: ignore[arg-type]
+
+
+def test_memory_budget_states_bytes_per_token() -> None:
+    per_token = MODEL.kv_bytes_per_token()
+    assert per_token == 2 * MODEL.n_layers * MODEL.n_kv_heads * MODEL.head_dim * 4
+    cfg = PoolConfig.from_memory_budget(per_token * 128 * 5 + 17, 128, MODEL)
+    assert cfg.capacity_tokens == 640 and cfg.n_pages == 5
+    with pytest.raises(ConfigError, match="smaller than one page"):
+        PoolConfig.from_memory_budget(per_token * 10, 128, MODEL)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random reserve / grow / release sequences; integrity after every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = make_pool(16 * 8, 8)
+        self.live: dict[str, int] = {}
+        self.n = 0
+
+    @rule(tokens=st.integers(1, 64))
+    def reserve(self, tokens: int) -> None:
+        name = f"r{self.n}"
+        self.n += 1
+        if self.pool.can_reserve(tokens):
+            res = self.pool.reserve(name, "t", tokens)
+            assert len(res.pages) == -(-tokens // 8)
+            self.live[name] = tokens
+        else:
+            with pytest.raises(PoolExhausted):
+                self.pool.reserve(name, "t", tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), extra=st.integers(1, 32))
+    def grow(self, data: st.DataObject, extra: int) -> None:
+        name = data.draw(st.sampled_from(sorted(self.live)))
+        try:
+            self.pool.grow(name, self.live[name] + extra)
+            self.live[name] += extra
+        except PoolExhausted:
+            pass
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        name = data.draw(st.sampled_from(sorted(self.live)))
+        self.pool.release(name)
+        del self.live[name]
+        with pytest.raises(PoolError):
+            self.pool.release(name)
+
+    @invariant()
+    def integrity(self) -> None:
+        self.pool.check_integrity()
+        held = [p for r in self.live for p in self.pool.reservation(r).pages]
+        assert len(held) == len(set(held)), "a page handed out twice"
+        assert self.pool.tokens_reserved == sum(self.live.values())
+
+
+PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestPoolMachine = PoolMachine.TestCase
