@@ -13,13 +13,27 @@ import json
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from minigrid_engine.errors import MinigridError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-          "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -58,9 +72,7 @@ def _pool_config(args: argparse.Namespace, default_tokens: int):  # -> PoolConfi
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--pool-tokens", type=positive_int, help="KV pool size in tokens")
-    size.add_argument(
-        "--pool-memory", type=parse_bytes, help="KV pool size as a memory budget (e.g. 8MiB)"
-    )
+    size.add_argument("--pool-memory", type=parse_bytes, help="KV pool size as a memory budget (e.g. 8MiB)")
     p.add_argument("--page-size", type=positive_int, default=128, help="tokens per page (128)")
 
 
@@ -104,6 +116,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from minigrid_engine.config import corrected_preset, incident_preset, parse_tenants
+    from minigrid_engine.fixes import parse_fixes
+    from minigrid_engine.serve import serve
+
+    base = corrected_preset() if args.preset == "corrected" else incident_preset()
+    changes: dict[str, object] = {"host": args.host, "port": args.port, "device": args.device,
+                                  "attention": args.attention}
+    for flag in ("context_length", "page_size", "prefill_pool_tokens", "decode_pool_tokens", "max_batch",
+                 "admin_key"):
+        if getattr(args, flag) is not None:
+            changes[flag] = getattr(args, flag)
+    if args.fixes is not None:
+        changes["fixes"] = parse_fixes(args.fixes)
+    if args.tenants is not None:
+        changes["tenants"] = parse_tenants(args.tenants)
+    cfg = base.with_(**changes)
+    return serve(cfg, args.ready_file)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minigrid", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -117,6 +149,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-length", type=positive_int, default=1024)
     _add_pool_flags(g)
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="start router, prefill and decode processes and serve HTTP")
+    s.add_argument("--preset", choices=["incident", "corrected"], default="incident",
+                   help="incident: context 1024 over a 665-token prefill pool; corrected: pool 2048")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--context-length", type=positive_int)
+    s.add_argument("--page-size", type=positive_int)
+    s.add_argument("--prefill-pool-tokens", type=positive_int)
+    s.add_argument("--decode-pool-tokens", type=positive_int)
+    s.add_argument("--fixes", help="none, all, or a comma-separated list of fix names")
+    s.add_argument("--tenants", help="NAME:KEY,NAME:KEY (default alice:sk-alice,bob:sk-bob)")
+    s.add_argument("--admin-key", help="key that may read page pools and every trace (or MINIGRID_ADMIN_KEY)")
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    s.add_argument("--attention", choices=["torch", "triton"], default="torch")
+    s.add_argument("--max-batch", type=positive_int)
+    s.add_argument("--ready-file", type=Path, help="write the server's URL here once it serves")
+    s.set_defaults(func=cmd_serve)
 
     q = sub.add_parser("pool", help="show the size of a KV pool: tokens, pages, bytes")
     _add_pool_flags(q)
@@ -133,6 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MinigridError as exc:
         print(f"minigrid {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"minigrid {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -41,9 +41,7 @@ class ModelConfig:
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
-            )
+            raise ConfigError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.rotary_dims % 2 or self.rotary_dims > self.head_dim:
             raise ConfigError(
                 f"rotary_dims {self.rotary_dims} must be even and at most head_dim {self.head_dim}"
@@ -65,9 +63,7 @@ class AttentionBackend(Protocol):
     q: [B, T, n_heads, head_dim]; k, v: [B, T, n_kv_heads, head_dim] (k rotated).
     """
 
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor: ...
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -77,9 +73,7 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cfg: ModelConfig) -> 
     """
     r = cfg.rotary_dims
     half = r // 2
-    inv_freq = cfg.rope_base ** (
-        -torch.arange(0, half, device=x.device, dtype=torch.float32) / half
-    )
+    inv_freq = cfg.rope_base ** (-torch.arange(0, half, device=x.device, dtype=torch.float32) / half)
     angles = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, half]
     cos = angles.cos()[:, :, None, :].to(x.dtype)
     sin = angles.sin()[:, :, None, :].to(x.dtype)
@@ -98,9 +92,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, d, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         b, t, _ = x.shape
         cfg = self.cfg
         q = self.wq(x).view(b, t, cfg.n_heads, cfg.head_dim)
@@ -131,9 +123,7 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), positions, backend)
         return x + self.mlp(self.mlp_norm(x))
 

@@ -46,8 +46,7 @@ class PoolConfig:
             raise ConfigError(f"page size {self.page_size} must be between 1 and {MAX_PAGE_SIZE}")
         if self.capacity_tokens < self.page_size:
             raise ConfigError(
-                f"a pool of {self.capacity_tokens} tokens is smaller than one page "
-                f"of {self.page_size} tokens"
+                f"a pool of {self.capacity_tokens} tokens is smaller than one page of {self.page_size} tokens"
             )
 
     @property

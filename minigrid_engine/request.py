@@ -71,6 +71,8 @@ class Request:
     max_tokens: int = 16
     temperature: float = 0.0
     seed: int | None = None
+    room: int | None = None  # bootstrap room shared by the prefill and decode copies
+    stubbed_from: int | None = None  # prompt length before a one-token stub replaced it
     state: State = State.WAITING
     output_ids: list[int] = field(default_factory=list)
     outcome: Outcome | None = None
@@ -95,12 +97,12 @@ class Request:
     def advance(self, new: State, trace: Trace | None = None, **detail: object) -> None:
         """Move to `new` along an allowed edge, emitting one trace event; raise otherwise."""
         if new not in TRANSITIONS[self.state]:
-            raise IllegalTransition(
-                f"request {self.request_id}: no edge {self.state.value} -> {new.value}"
-            )
+            raise IllegalTransition(f"request {self.request_id}: no edge {self.state.value} -> {new.value}")
         old, self.state = self.state, new
         if trace is not None:
-            trace.emit(STATE, self.request_id, self.tenant, **{"from": old.value, "to": new.value}, **detail)
+            trace.emit(
+                STATE, self.request_id, self.tenant, (), **{"from": old.value, "to": new.value}, **detail
+            )
 
     def finish(self, outcome: Outcome, trace: Trace | None = None, error: str | None = None) -> None:
         """End the request with `outcome` (from any live state)."""

@@ -44,9 +44,7 @@ class _PagedPrefill:
 class _PagedDecode:
     """Attention backend for a batch of single-token decode steps."""
 
-    def __init__(
-        self, pool: KVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor
-    ):
+    def __init__(self, pool: KVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor):
         self.pool, self.block_tables, self.seq_lens, self.slots = pool, block_tables, seq_lens, slots
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -119,7 +117,10 @@ class ModelRunner:
             self.pool.note_write(it.request, it.tenant, [page])
             trace.emit(WRITE, it.request, it.tenant, [page], start=it.position, end=it.position + 1)
             trace.emit(
-                READ, it.request, it.tenant, self._pages_covering(it.pages, 0, it.position + 1),
+                READ,
+                it.request,
+                it.tenant,
+                self._pages_covering(it.pages, 0, it.position + 1),
                 kv_len=it.position + 1,
             )
         return logits[:, 0]

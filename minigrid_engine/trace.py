@@ -57,9 +57,7 @@ class Trace:
         **detail: Any,
     ) -> TraceEvent:
         with self._lock:
-            ev = TraceEvent(
-                self._seq, time.time(), kind, self.role, request, tenant, tuple(pages), detail
-            )
+            ev = TraceEvent(self._seq, time.time(), kind, self.role, request, tenant, tuple(pages), detail)
             self._seq += 1
             self._events.append(ev)
             if self.maxlen is not None and len(self._events) > self.maxlen:

@@ -1,6 +1,6 @@
 """Make the shipped weights: train the byte-level model to copy from its context.
 
-    python -m minigrid_engine.train                      # the shipped run (about 30 min, 2 cores)
+    python -m minigrid_engine.train                      # the shipped run (about 20 min, 2 cores)
     python -m minigrid_engine.train --steps 3 --out /tmp/w.pt   # a smoke run
 
 The corpus is synthetic and generated here: blocks of tenant records (``ALICE card QZ7K2M9P; ``),
@@ -30,20 +30,45 @@ from minigrid_engine.attention import CausalAttention
 from minigrid_engine.model import ModelConfig, Transformer, default_weights_path, save_model
 from minigrid_engine.records import secret_records
 
-NAMES = (
-    "ALICE BOB CAROL DAVE ERIN FRANK GRACE HEIDI IVAN JUDY MALLORY NIAJ OLIVIA PEGGY RUPERT "
-    "SYBIL TRENT VICTOR WALTER ZOE ACME GLOBEX INITECH UMBRELLA HOOLI"
-).split()
+NAMES = [
+    "ALICE",
+    "BOB",
+    "CAROL",
+    "DAVE",
+    "ERIN",
+    "FRANK",
+    "GRACE",
+    "HEIDI",
+    "IVAN",
+    "JUDY",
+    "MALLORY",
+    "NIAJ",
+    "OLIVIA",
+    "PEGGY",
+    "RUPERT",
+    "SYBIL",
+    "TRENT",
+    "VICTOR",
+    "WALTER",
+    "ZOE",
+    "ACME",
+    "GLOBEX",
+    "INITECH",
+    "UMBRELLA",
+    "HOOLI",
+]
+MAX_BLOCK = 900  # bytes: repeats up to this far apart teach copying across a 1,024-token context
 PRINTABLE = string.ascii_letters + string.digits + string.punctuation + " " * 8
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 2400
+    steps: int = 2200
+    short_steps: int = 700
     batch: int = 12
     seq_len: int = 1024
     max_position: int = 4096
-    lr: float = 3e-3
+    lr: float = 1e-3
     warmup: int = 100
     seed: int = 0
     threads: int = 0  # 0: torch's default
@@ -55,8 +80,8 @@ def _tenant(rng: random.Random) -> str:
     return "".join(rng.choice(string.ascii_uppercase) for _ in range(rng.randint(3, 8)))
 
 
-def _block(rng: random.Random) -> str:
-    """One block of text, before repetition."""
+def _block(rng: random.Random, max_len: int) -> str:
+    """One block of text of at most `max_len` characters, before repetition."""
     kind = rng.random()
     if kind < 0.5:
         n = rng.randint(1, 40)
@@ -73,23 +98,40 @@ def _block(rng: random.Random) -> str:
             for _ in range(rng.randint(2, 120))
         ]
         text = " ".join(words) + rng.choice([". ", ", ", "; ", "\n", " "])
-    return text[: rng.randint(800, 900)]
+    return text[: rng.randint(max(1, max_len * 8 // 9), max_len)]
 
 
-def sample_sequence(rng: random.Random, length: int) -> list[int]:
-    """`length + 1` byte ids: blocks, each repeated one to several times."""
+def sample_sequence(rng: random.Random, length: int, max_block: int = MAX_BLOCK) -> list[int]:
+    """`length + 1` byte ids: blocks of at most `max_block` bytes, each repeated."""
     out = bytearray()
     while len(out) < length + 1:
-        block = _block(rng).encode()
+        block = _block(rng, max_block).encode()
         reps = 1 + min(int(rng.expovariate(0.5)), 8) if rng.random() < 0.9 else 1
+        if len(block) < 64:  # short blocks: repeat enough to learn from
+            reps += rng.randint(1, 6)
         out += block * reps
     return list(out[: length + 1])
 
 
-def sample_batch(rng: random.Random, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    seqs = torch.tensor([sample_sequence(rng, cfg.seq_len) for _ in range(cfg.batch)])
-    offsets = torch.tensor([rng.randint(0, cfg.max_position - cfg.seq_len) for _ in range(cfg.batch)])
-    positions = offsets[:, None] + torch.arange(cfg.seq_len)[None, :]
+def stage_at(step: int, cfg: TrainConfig) -> tuple[int, int]:
+    """Curriculum: (sequence length, longest block) at `step`.
+
+    First short sequences of short, often-repeated blocks, where induction forms within a few
+    hundred steps (on the full corpus at once it had not formed after 1,600); then full-length
+    sequences with blocks growing to `MAX_BLOCK`, so the copying reaches across the context.
+    """
+    if step < cfg.short_steps:
+        return min(cfg.seq_len, 256), 48
+    ramp = max(1, (cfg.steps - cfg.short_steps) // 2)
+    return cfg.seq_len, min(MAX_BLOCK, 64 + (MAX_BLOCK - 64) * (step - cfg.short_steps) // ramp)
+
+
+def sample_batch(
+    rng: random.Random, cfg: TrainConfig, seq_len: int, max_block: int = MAX_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    seqs = torch.tensor([sample_sequence(rng, seq_len, max_block) for _ in range(cfg.batch)])
+    offsets = torch.tensor([rng.randint(0, cfg.max_position - seq_len) for _ in range(cfg.batch)])
+    positions = offsets[:, None] + torch.arange(seq_len)[None, :]
     return seqs, positions
 
 
@@ -119,7 +161,7 @@ def train(
     first_loss = last_loss = float("nan")
     ema = None
     for step in range(cfg.steps):
-        seqs, positions = sample_batch(rng, cfg)
+        seqs, positions = sample_batch(rng, cfg, *stage_at(step, cfg))
         logits = model(seqs[:, :-1], positions, backend)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1))
         for group in opt.param_groups:
@@ -173,8 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.max_position < a.seq_len:
         p.error(f"--max-position {a.max_position} must be at least --seq-len {a.seq_len}")
     cfg = TrainConfig(
-        steps=a.steps, batch=a.batch, seq_len=a.seq_len, max_position=a.max_position,
-        lr=a.lr, warmup=min(d.warmup, max(1, a.steps // 10)), seed=a.seed, threads=a.threads,
+        steps=a.steps,
+        short_steps=min(d.short_steps, a.steps // 3),
+        batch=a.batch,
+        seq_len=a.seq_len,
+        max_position=a.max_position,
+        lr=a.lr,
+        warmup=min(d.warmup, max(1, a.steps // 10)),
+        seed=a.seed,
+        threads=a.threads,
     )
     train(cfg, ModelConfig(), a.out, checkpoint_every=a.checkpoint_every)
     return 0

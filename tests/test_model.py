@@ -63,12 +63,17 @@ def test_each_answer_draws_only_from_its_own_prompt(model) -> None:
     stale = [record_prompt(t, 500, rng, 8) for t in ("carol", "dave")]
     engine.generate("carol", stale[:1], max_tokens=8)
     engine.generate("dave", stale[1:], max_tokens=8)
-    prompts = {t: record_prompt(t, rng.randint(250, 600), rng, rng.randint(3, 8)) for t in ("alice", "bob", "erin")}
+    prompts = {
+        t: record_prompt(t, rng.randint(250, 600), rng, rng.randint(3, 8)) for t in ("alice", "bob", "erin")
+    }
     reqs = {t: engine.submit(t, p, max_tokens=64) for t, p in prompts.items()}
     engine.step()
     assert len(engine.running) == 3  # decoding together, one batch
     engine.run()
-    others = {t: codes(p, t) for t, p in prompts.items()} | {"carol": codes(stale[0], "carol"), "dave": codes(stale[1], "dave")}
+    others = {t: codes(p, t) for t, p in prompts.items()} | {
+        "carol": codes(stale[0], "carol"),
+        "dave": codes(stale[1], "dave"),
+    }
     for tenant, req in reqs.items():
         text = engine.tokenizer.decode(req.output_ids)
         found = set(CODE.findall(text))

@@ -75,7 +75,7 @@ def test_double_release_and_foreign_release_are_refused() -> None:
     pool = make_pool(1024, 128)
     a = pool.reserve("a", "alice", 256)
     pool.reserve("b", "bob", 128)
-    with pytest.raises(PoolError, match="cannot release page .* owned by a"):
+    with pytest.raises(PoolError, match=r"cannot release page .* owned by a"):
         pool.release_pages("b", [a.pages[0]])
     pool.release("a")
     with pytest.raises(PoolError, match="holds no pages"):

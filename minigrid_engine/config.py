@@ -1,0 +1,124 @@
+"""Serving configuration and the presets of the incident (torch-free: the router imports it).
+
+Numbers from INCIDENT.md, scaled so that one lab token stands for 1,024 production tokens:
+context 1,024 (1,048,576), prefill pool 665 (681,280), page 128 (a full-context prompt is 8
+pages), corrected pool 2,048 (about 2.04 M, twice the context).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from minigrid_engine.errors import ConfigError
+from minigrid_engine.fixes import Fixes, parse_fixes
+
+INCIDENT_CONTEXT = 1024
+INCIDENT_PREFILL_POOL = 665
+INCIDENT_PAGE_SIZE = 128
+CORRECTED_POOL = 2048
+DEFAULT_DECODE_POOL = 4096
+DEFAULT_TENANTS = {"alice": "sk-alice", "bob": "sk-bob"}
+MODEL_ID = "minigrid-byte"
+
+
+def _whole(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be a whole number, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def parse_tenants(text: str) -> dict[str, str]:
+    """'alice:sk-a,bob:sk-b' -> {'alice': 'sk-a', 'bob': 'sk-b'}."""
+    tenants: dict[str, str] = {}
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        name, sep, key = item.partition(":")
+        if not sep or not name.strip() or not key.strip():
+            raise ConfigError(f"tenant {item!r} must be NAME:KEY, e.g. alice:sk-alice")
+        if name.strip() in tenants:
+            raise ConfigError(f"tenant {name.strip()!r} is named twice")
+        if key.strip() in tenants.values():
+            raise ConfigError(f"tenant {name.strip()!r} reuses another tenant's key")
+        tenants[name.strip()] = key.strip()
+    if not tenants:
+        raise ConfigError(f"--tenants {text!r} names no tenant: use NAME:KEY,NAME:KEY")
+    return tenants
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything `minigrid serve` and the notebook handle need to start the three processes."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    context_length: int = INCIDENT_CONTEXT
+    page_size: int = INCIDENT_PAGE_SIZE
+    prefill_pool_tokens: int = INCIDENT_PREFILL_POOL
+    decode_pool_tokens: int = DEFAULT_DECODE_POOL
+    fixes: Fixes = field(default_factory=Fixes.none)
+    tenants: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_TENANTS))
+    admin_key: str | None = None
+    device: str = "cpu"
+    attention: str = "torch"
+    transfer_host: str = "127.0.0.1"  # where prefill listens for decode (bootstrap + gloo store)
+    max_batch: int = 32
+    worker_threads: int = 1  # torch threads per worker process
+    trace_maxlen: int = 100_000
+    weights: str | None = None  # None: the weights shipped in the package
+
+    def __post_init__(self) -> None:
+        _whole("--port", self.port, 0)
+        if self.port > 65535:
+            raise ConfigError(f"--port {self.port} is not a TCP port (0-65535)")
+        _whole("--context-length", self.context_length)
+        _whole("--page-size", self.page_size)
+        _whole("--prefill-pool-tokens", self.prefill_pool_tokens)
+        _whole("--decode-pool-tokens", self.decode_pool_tokens)
+        _whole("--max-batch", self.max_batch)
+        for role, tokens in (("prefill", self.prefill_pool_tokens), ("decode", self.decode_pool_tokens)):
+            if tokens < self.page_size:
+                raise ConfigError(
+                    f"--{role}-pool-tokens {tokens} is smaller than one page of {self.page_size} tokens"
+                )
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device {self.device!r}: choose cpu or cuda")
+        if self.attention not in ("torch", "triton"):
+            raise ConfigError(f"--attention {self.attention!r}: choose torch or triton")
+        if not self.tenants:
+            raise ConfigError("at least one tenant is needed (--tenants NAME:KEY)")
+
+    @property
+    def pages_per_context(self) -> int:
+        return math.ceil(self.context_length / self.page_size)
+
+    def with_(self, **changes: Any) -> ServeConfig:
+        if isinstance(changes.get("fixes"), str):
+            changes["fixes"] = parse_fixes(changes["fixes"])
+        return replace(self, **changes)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["fixes"] = str(self.fixes)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServeConfig:
+        d = json.loads(text)
+        d["fixes"] = parse_fixes(d["fixes"])
+        return cls(**d)
+
+
+def incident_preset(**changes: Any) -> ServeConfig:
+    """The incident's configuration, faulty engine: context 1,024 over a 665-token prefill pool."""
+    return ServeConfig().with_(**changes)
+
+
+def corrected_preset(**changes: Any) -> ServeConfig:
+    """Cloudflare's corrected configuration: a 2,048-token pool, about twice the context."""
+    return ServeConfig(prefill_pool_tokens=CORRECTED_POOL, fixes=Fixes.all()).with_(**changes)

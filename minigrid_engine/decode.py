@@ -1,0 +1,197 @@
+"""The decode role: preallocate pages, receive the transfer, decode in continuous batches.
+
+- **bootstrap**: a request waits until prefill says its bootstrap queue let it through.
+- **prealloc queue**: reserves pages in this role's pool for the *original* prompt length plus
+  the tokens to generate, and sends their ids to prefill (`KVBootstrap`).
+- **transfer queue**: waits for prefill's page data and done message. In the faulty engine the
+  done message carries only the room and a status: decode checks the room, commits, and attends
+  over every page it reserved, however many prefill actually wrote.
+- **running batch**: one decode step over all running requests at a time; finished requests
+  release their pages (not zeroed) and their result goes to the router.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from minigrid_engine.config import ServeConfig
+from minigrid_engine.messages import (
+    Abort,
+    Bootstrapped,
+    GenerateRequest,
+    KVBootstrap,
+    Result,
+    TransferBegin,
+    TransferDone,
+)
+from minigrid_engine.model import Transformer
+from minigrid_engine.pool import KVPool
+from minigrid_engine.request import Outcome, Request, State
+from minigrid_engine.runner import DecodeItem, ModelRunner, sample
+from minigrid_engine.trace import WRITE
+from minigrid_engine.transfer import store_pages
+
+
+class DecodeScheduler:
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        model: Transformer,
+        pool: KVPool,
+        send_router: Callable[[object], None],
+        send_prefill: Callable[[object], None],
+    ) -> None:
+        self.cfg = cfg
+        self.fixes = cfg.fixes
+        self.pool = pool
+        self.trace = pool.trace
+        self.runner = ModelRunner(model, pool)
+        self.send_router = send_router
+        self.send_prefill = send_prefill
+        self.bootstrapping: dict[int, Request] = {}
+        self.prealloc: deque[Request] = deque()
+        self.transfer: dict[int, Request] = {}
+        self.running: list[Request] = []
+        self._early: set[int] = set()  # Bootstrapped that arrived before the request
+        self._generators: dict[int, torch.Generator] = {}
+        self.counters = {"decoded_tokens": 0, "completed": 0, "aborted": 0}
+
+    # -- messages ------------------------------------------------------------------------
+    def on_generate(self, msg: GenerateRequest) -> None:
+        req = Request(
+            msg.request_id, msg.tenant, list(msg.prompt_ids), msg.max_tokens, msg.temperature,
+            msg.seed, room=msg.room,
+        )
+        req.advance(State.BOOTSTRAPPING, self.trace, role="decode")
+        self.bootstrapping[msg.room] = req
+        if msg.room in self._early:
+            self._early.discard(msg.room)
+            self.on_bootstrapped(Bootstrapped(msg.room))
+
+    def on_bootstrapped(self, msg: Bootstrapped) -> None:
+        req = self.bootstrapping.pop(msg.room, None)
+        if req is None:
+            self._early.add(msg.room)
+            return
+        req.advance(State.PREALLOC, self.trace, role="decode")
+        self.prealloc.append(req)
+
+    def on_transfer_begin(self, msg: TransferBegin, data: torch.Tensor) -> None:
+        """Page data arrived for `msg.room`: write it where the message says."""
+        store_pages(self.pool, msg.dst_pages, data)
+        req = self.transfer.get(msg.room)
+        # The faulty engine writes into the named pages whoever holds them now.
+        writer = req.request_id if req is not None else f"room-{msg.room}"
+        tenant = req.tenant if req is not None else None
+        self.pool.note_write(writer, tenant or "?", msg.dst_pages)
+        self.trace.emit(WRITE, writer, tenant, msg.dst_pages, source="transfer", room=msg.room)
+
+    def on_transfer_done(self, msg: TransferDone) -> None:
+        req = self.transfer.pop(msg.room, None)
+        if req is None:
+            return  # no such room (aborted meanwhile): nothing to commit
+        if not msg.success or msg.first_token is None:
+            self._abort(req, f"prefill reported a failed transfer: {msg.error or 'no reason given'}")
+            return
+        # Bug-compatible commit: the room matched, so all reserved pages are taken as written.
+        req.output_ids.append(msg.first_token)
+        req.first_token_at = time.time()
+        req.advance(State.DECODING, self.trace, role="decode", kv_len=req.prompt_len)
+        self.running.append(req)
+        self._retire()
+
+    def on_abort(self, msg: Abort) -> None:
+        req = self.bootstrapping.pop(msg.room, None) or self.transfer.pop(msg.room, None)
+        if req is None:
+            for r in [r for r in self.prealloc if r.room == msg.room]:
+                self.prealloc.remove(r)
+                req = r
+        if req is None:
+            return
+        self._release(req)
+        req.finish(Outcome.ABORTED, self.trace, msg.reason)
+
+    # -- scheduling ----------------------------------------------------------------------
+    def step(self) -> bool:
+        busy = self._preallocate()
+        if self.running:
+            self._decode()
+            busy = True
+        return busy
+
+    def idle(self) -> bool:
+        return not (self.bootstrapping or self.prealloc or self.transfer or self.running)
+
+    def _tokens(self, req: Request) -> int:
+        return req.prompt_len + req.max_tokens
+
+    def _preallocate(self) -> bool:
+        moved = False
+        while self.prealloc and self.pool.can_reserve(self._tokens(self.prealloc[0])):
+            req = self.prealloc.popleft()
+            if req.finished():
+                continue
+            res = self.pool.reserve(req.request_id, req.tenant, self._tokens(req))
+            req.advance(State.TRANSFERRING, self.trace, role="decode")
+            self.transfer[req.room or 0] = req
+            self.send_prefill(KVBootstrap(req.room or 0, list(res.pages), self._tokens(req)))
+            moved = True
+        return moved
+
+    def _decode(self) -> None:
+        batch = self.running[: self.cfg.max_batch]
+        items = [
+            DecodeItem(
+                r.request_id, r.tenant, r.output_ids[-1], r.prompt_len + len(r.output_ids) - 1,
+                self.pool.reservation(r.request_id).pages,
+            )
+            for r in batch
+        ]
+        logits = self.runner.decode(items)
+        for r, row in zip(batch, logits):
+            r.output_ids.append(sample(row, r.temperature, self._generator(r)))
+        self.counters["decoded_tokens"] += len(batch)
+        self._retire()
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        if req.temperature <= 0:
+            return None
+        room = req.room or 0
+        if room not in self._generators:
+            self._generators[room] = torch.Generator().manual_seed((req.seed or 0) + 1)
+        return self._generators[room]
+
+    def _retire(self) -> None:
+        for r in [r for r in self.running if len(r.output_ids) >= r.max_tokens]:
+            self.running.remove(r)
+            self._release(r)
+            self._generators.pop(r.room or 0, None)
+            r.finish(Outcome.LENGTH, self.trace)
+            self.counters["completed"] += 1
+            self.send_router(
+                Result(
+                    r.room or 0, r.request_id, r.tenant, 200, list(r.output_ids), r.prompt_len, "length",
+                    timings={
+                        "ttft_s": (r.first_token_at or r.created_at) - r.created_at,
+                        "latency_s": (r.finished_at or time.time()) - r.created_at,
+                    },
+                )
+            )
+
+    def _abort(self, req: Request, reason: str) -> None:
+        self._release(req)
+        req.finish(Outcome.ABORTED, self.trace, reason)
+        self.counters["aborted"] += 1
+        self.send_router(
+            Result(req.room or 0, req.request_id, req.tenant, 500, [], req.prompt_len, "error",
+                   error=reason, code="kv_transfer_failed", error_type="server_error")
+        )
+        self.send_prefill(Abort(req.room or 0, reason, 500, "kv_transfer_failed", "decode"))
+
+    def _release(self, req: Request) -> None:
+        if self.pool.holds(req.request_id):
+            self.pool.release(req.request_id)

@@ -1,0 +1,115 @@
+"""Both roles in one process, messages passed by hand: the disaggregated protocol without sockets.
+
+The same `PrefillScheduler` and `DecodeScheduler` that run in the worker processes, wired with
+in-memory mailboxes and a loopback transport. Tests use it to check the protocol quickly; the
+real thing (`minigrid serve`, `minigrid_engine.handle`) runs them as separate processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+from minigrid_engine.config import ServeConfig
+from minigrid_engine.decode import DecodeScheduler
+from minigrid_engine.messages import (
+    Abort,
+    Bootstrapped,
+    GenerateRequest,
+    KVBootstrap,
+    Result,
+    TransferDone,
+)
+from minigrid_engine.model import Transformer, load_model
+from minigrid_engine.pool import KVPool, PoolConfig
+from minigrid_engine.prefill import PrefillScheduler
+from minigrid_engine.tokenizer import ByteTokenizer
+from minigrid_engine.trace import Trace
+from minigrid_engine.transfer import LoopbackTransport, page_data
+
+
+class InProcessCluster:
+    def __init__(self, cfg: ServeConfig, model: Transformer | None = None) -> None:
+        self.cfg = cfg
+        self.model = model if model is not None else load_model()
+        self.tokenizer = ByteTokenizer()
+        mc = self.model.cfg
+        self.prefill_pool = KVPool(
+            PoolConfig(cfg.prefill_pool_tokens, cfg.page_size), mc, "prefill", Trace("prefill")
+        )
+        self.decode_pool = KVPool(
+            PoolConfig(cfg.decode_pool_tokens, cfg.page_size), mc, "decode", Trace("decode")
+        )
+        self.to_prefill: deque[object] = deque()
+        self.to_decode: deque[object] = deque()
+        self.results: dict[int, Result] = {}
+        self.prefill = PrefillScheduler(
+            cfg, self.model, self.prefill_pool, self._to_router, self.to_decode.append
+        )
+        self.decode = DecodeScheduler(
+            cfg, self.model, self.decode_pool, self._to_router, self.to_prefill.append
+        )
+        self.transport = LoopbackTransport()
+        self._rooms = itertools.count(1)
+
+    def _to_router(self, msg: object) -> None:
+        if isinstance(msg, Result):
+            self.results[msg.room] = msg
+        elif isinstance(msg, Abort):
+            self.results[msg.room] = Result(
+                msg.room, "", "", msg.status, error=msg.reason, code=msg.code, finish_reason="error"
+            )
+
+    def submit(self, tenant: str, prompt: str, max_tokens: int = 16) -> int:
+        room = next(self._rooms)
+        msg = GenerateRequest(room, f"{tenant}-{room}", tenant, self.tokenizer.encode(prompt), max_tokens)
+        self.prefill.on_generate(msg)
+        self.decode.on_generate(msg)
+        return room
+
+    def _deliver(self) -> bool:
+        moved = False
+        while self.to_decode:
+            msg = self.to_decode.popleft()
+            moved = True
+            if isinstance(msg, Bootstrapped):
+                self.decode.on_bootstrapped(msg)
+            elif isinstance(msg, Abort):
+                self.decode.on_abort(msg)
+        while self.to_prefill:
+            msg = self.to_prefill.popleft()
+            moved = True
+            if isinstance(msg, KVBootstrap):
+                self.prefill.on_kv_bootstrap(msg)
+            elif isinstance(msg, Abort):
+                self.prefill.on_abort(msg)
+        while self.prefill.transfers:
+            job = self.prefill.transfers.popleft()
+            data = page_data(self.prefill_pool, job.src_pages)
+            self.transport.send(data)
+            self.decode.on_transfer_begin(job.begin, self.transport.recv(data))
+            self.prefill.on_transfer_sent(job.room)
+            self._done(job.done)
+            moved = True
+        return moved
+
+    def _done(self, msg: TransferDone) -> None:
+        self.decode.on_transfer_done(msg)
+
+    def run(self, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            busy = self._deliver()
+            busy |= self.prefill.step()
+            busy |= self.decode.step()
+            busy |= self._deliver()
+            if not busy and self.prefill.idle() and self.decode.idle():
+                return
+        raise RuntimeError(f"in-process cluster still busy after {max_steps} steps")
+
+    def complete(self, tenant: str, prompt: str, max_tokens: int = 16) -> Result:
+        room = self.submit(tenant, prompt, max_tokens)
+        self.run()
+        return self.results[room]
+
+    def text(self, result: Result) -> str:
+        return self.tokenizer.decode(result.output_ids)

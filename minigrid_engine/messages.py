@@ -1,0 +1,126 @@
+"""Control messages between the router, the prefill worker and the decode worker.
+
+Plain dataclasses, pickled over `multiprocessing.connection` sockets. K/V page data never travels
+here: it goes over `torch.distributed` (see `transfer.py`), announced by a `TransferBegin`.
+This module imports no torch, so the router stays light.
+
+The handshake of one request, as in SGLang's disaggregated mode::
+
+    router  --GenerateRequest-->  prefill, decode        (same bootstrap room)
+    prefill --Bootstrapped----->  decode                 (prefill's bootstrap queue admitted it)
+    decode  --KVBootstrap------>  prefill                (the decode pages to fill)
+    prefill --TransferBegin + page data + TransferDone-->  decode
+    decode  --Result----------->  router
+    anyone  --Abort------------>  the others             (a request that failed on the way)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    room: int  # bootstrap room: the id both roles use for one request
+    request_id: str
+    tenant: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Bootstrapped:
+    """Prefill's bootstrap queue let the request through; decode may now preallocate."""
+
+    room: int
+
+
+@dataclass(frozen=True)
+class KVBootstrap:
+    """Decode tells prefill where the request's K/V must land (decode page ids, in order)."""
+
+    room: int
+    decode_pages: list[int]
+    reserved_tokens: int
+
+
+@dataclass(frozen=True)
+class TransferBegin:
+    """Announces one torch.distributed message of page data for `room`.
+
+    The data that follows is a float tensor [2, n_layers, len(dst_pages), page_size, kv_heads, dim].
+    """
+
+    room: int
+    dst_pages: list[int]
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    """Prefill's status message. In the faulty engine: room and status only, no length, no digest."""
+
+    room: int
+    success: bool
+    first_token: int | None = None
+    written_tokens: int | None = None  # `coverage-check` fills this in
+    checksums: list[int] | None = None  # `kv-checksum` fills this in
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Abort:
+    room: int
+    reason: str
+    status: int = 500
+    code: str = "aborted"
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Result:
+    """The end of a request, as the router returns it to the client."""
+
+    room: int
+    request_id: str
+    tenant: str
+    status: int  # HTTP status
+    output_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    finish_reason: str = "length"
+    error: str | None = None
+    code: str | None = None
+    error_type: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ready:
+    role: str
+    pid: int
+    capacity_tokens: int
+    page_size: int
+    n_pages: int
+    log: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Query:
+    """Router asks a worker for `kind`: "stats", "pool" (owner table) or "trace"."""
+
+    qid: int
+    kind: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class QueryReply:
+    qid: int
+    data: Any
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    reason: str = ""

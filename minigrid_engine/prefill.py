@@ -1,0 +1,193 @@
+"""The prefill role: admit prompts, compute their K/V, hand the pages to the transfer.
+
+Three queues, as in SGLang's disaggregated prefill:
+
+- **bootstrap queue**: the capacity check. A prompt longer than this role's pool is given a
+  pending 400 (`pending_finish`) and replaced by a one-token stub, exactly as SGLang's
+  `set_finish_with_abort` did. Then prefill tells decode the request is bootstrapped.
+- **waiting queue**: requests wait here while the pool is full (queued, not failed), then are
+  prefilled into pages of this pool.
+- **in-flight queue**: prefilled requests wait for decode's page list (`KVBootstrap`), are sent,
+  and release their pages once the transfer has gone out.
+
+Every queue asks `_gone(req)`. In the faulty engine that is `req.finished()`, which does not see
+a pending finish: the stub flows on, one page is written and sent, and the done message says
+success. The `reject-before-transfer` fix is the other branch of that one function.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from minigrid_engine.config import ServeConfig
+from minigrid_engine.messages import (
+    Abort,
+    Bootstrapped,
+    GenerateRequest,
+    KVBootstrap,
+    TransferBegin,
+    TransferDone,
+)
+from minigrid_engine.model import Transformer
+from minigrid_engine.pool import KVPool
+from minigrid_engine.request import Outcome, Request, State
+from minigrid_engine.runner import ModelRunner, sample
+
+STUB_TOKEN = 0  # SGLang's placeholder input ids: [0]
+
+
+@dataclass
+class TransferJob:
+    """One request's pages to send: prefill `src_pages` into decode `dst_pages`, then `done`."""
+
+    room: int
+    src_pages: list[int]
+    begin: TransferBegin
+    done: TransferDone
+
+
+class PrefillScheduler:
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        model: Transformer,
+        pool: KVPool,
+        send_router: Callable[[object], None],
+        send_decode: Callable[[object], None],
+    ) -> None:
+        self.cfg = cfg
+        self.fixes = cfg.fixes
+        self.pool = pool
+        self.trace = pool.trace
+        self.runner = ModelRunner(model, pool)
+        self.send_router = send_router
+        self.send_decode = send_decode
+        self.bootstrap_queue: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()
+        self.inflight: dict[int, tuple[Request, int]] = {}  # room -> (request, first token)
+        self.decode_pages: dict[int, KVBootstrap] = {}
+        self.transfers: deque[TransferJob] = deque()  # drained by the worker's sender
+        self.sending: dict[int, Request] = {}
+        self.counters = {"prefilled": 0, "stubbed": 0, "transfers": 0, "aborted": 0}
+
+    # -- messages ------------------------------------------------------------------------
+    def on_generate(self, msg: GenerateRequest) -> None:
+        req = Request(
+            msg.request_id, msg.tenant, list(msg.prompt_ids), msg.max_tokens, msg.temperature,
+            msg.seed, room=msg.room,
+        )
+        req.advance(State.BOOTSTRAPPING, self.trace, role="prefill")
+        self.bootstrap_queue.append(req)
+
+    def on_kv_bootstrap(self, msg: KVBootstrap) -> None:
+        self.decode_pages[msg.room] = msg
+
+    def on_abort(self, msg: Abort) -> None:
+        for queue in (self.bootstrap_queue, self.waiting):
+            for req in [r for r in queue if r.room == msg.room]:
+                queue.remove(req)
+                req.finish(Outcome.ABORTED, self.trace, msg.reason)
+        if msg.room in self.inflight:
+            req, _ = self.inflight.pop(msg.room)
+            self._release(req)
+            req.finish(Outcome.ABORTED, self.trace, msg.reason)
+        self.decode_pages.pop(msg.room, None)
+
+    def on_transfer_sent(self, room: int) -> None:
+        """The sender has pushed a request's pages and done message out: free its pages."""
+        req = self.sending.pop(room)
+        self._release(req)
+        # The faulty engine's success path: this overwrites a pending 400 (SGLang #33507).
+        req.finish(Outcome.LENGTH, self.trace)
+
+    # -- the one question every queue asks ------------------------------------------------
+    def _gone(self, req: Request) -> bool:
+        """Should a queue drop `req`? The heart of the bug."""
+        if self.fixes.reject_before_transfer:
+            raise NotImplementedError("reject-before-transfer is built by the fixes issue")
+        # Bug-compatible: like SGLang's queues, ask only `finished()`, blind to a pending 400.
+        return req.finished()
+
+    # -- scheduling ----------------------------------------------------------------------
+    def step(self) -> bool:
+        """Advance every queue once; returns whether anything happened."""
+        busy = self._bootstrap()
+        busy |= self._prefill()
+        busy |= self._send()
+        return busy
+
+    def idle(self) -> bool:
+        return not (self.bootstrap_queue or self.waiting or self.inflight or self.sending)
+
+    def _bootstrap(self) -> bool:
+        moved = False
+        while self.bootstrap_queue:
+            req = self.bootstrap_queue.popleft()
+            moved = True
+            if req.prompt_len > self.pool.capacity_tokens:
+                self._stub(req)
+            if self._gone(req):
+                continue
+            req.advance(State.WAITING, self.trace, role="prefill")
+            self.waiting.append(req)
+            self.send_decode(Bootstrapped(req.room or 0))
+        return moved
+
+    def _stub(self, req: Request) -> None:
+        """SGLang's `set_finish_with_abort`: a pending 400 and a one-token placeholder prompt."""
+        req.pending_finish = Outcome.REJECTED
+        req.error = (
+            f"prompt of {req.prompt_len} tokens does not fit the prefill KV pool of "
+            f"{self.pool.capacity_tokens} tokens (context length {self.cfg.context_length})"
+        )
+        req.stubbed_from = req.prompt_len
+        req.prompt_ids = [STUB_TOKEN]
+        self.counters["stubbed"] += 1
+        self.trace.emit(
+            "stub", req.request_id, req.tenant, prompt_tokens=req.stubbed_from, stub_tokens=1,
+            pool_tokens=self.pool.capacity_tokens,
+        )
+
+    def _prefill(self) -> bool:
+        done = False
+        while self.waiting and self.pool.can_reserve(self.waiting[0].prompt_len):
+            req = self.waiting.popleft()
+            if self._gone(req):
+                continue
+            res = self.pool.reserve(req.request_id, req.tenant, req.prompt_len)
+            req.advance(State.PREFILLING, self.trace, role="prefill")
+            logits = self.runner.prefill(req.request_id, req.tenant, req.prompt_ids, res.pages)
+            gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+            first = sample(logits, req.temperature, gen)
+            req.output_ids.append(first)
+            req.advance(State.TRANSFERRING, self.trace, role="prefill")
+            self.inflight[req.room or 0] = (req, first)
+            self.counters["prefilled"] += 1
+            done = True
+        return done
+
+    def _send(self) -> bool:
+        sent = False
+        for room in [r for r in self.inflight if r in self.decode_pages]:
+            req, first = self.inflight.pop(room)
+            boot = self.decode_pages.pop(room)
+            if self._gone(req):
+                self._release(req)
+                continue
+            src = self.pool.reservation(req.request_id).pages
+            dst = boot.decode_pages[: len(src)]
+            # Bug-compatible done message: room and status only; no length, no digest.
+            done = TransferDone(room, success=True, first_token=first)
+            self.transfers.append(TransferJob(room, src, TransferBegin(room, dst), done))
+            self.sending[room] = req
+            self.counters["transfers"] += 1
+            sent = True
+        return sent
+
+    def _release(self, req: Request) -> None:
+        if self.pool.holds(req.request_id):
+            self.pool.release(req.request_id)

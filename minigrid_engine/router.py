@@ -1,0 +1,517 @@
+"""The router: the HTTP front (OpenAI-style), tenants by API key, `/metrics`, `/health`.
+
+It starts the two worker processes, talks to them over authenticated sockets, and never imports
+torch (it stays small: the whole engine has to fit a 1 GB Binder session).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import logging
+import os
+import queue
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minigrid_engine.config import MODEL_ID, ServeConfig
+from minigrid_engine.errors import MinigridError
+from minigrid_engine.messages import Abort, GenerateRequest, Query, QueryReply, Ready, Result, Shutdown
+from minigrid_engine.tokenizer import ByteTokenizer
+
+log = logging.getLogger("minigrid.router")
+disable_created_metrics()
+ROLES = ("prefill", "decode")
+MAX_BODY_BYTES = 4 * 2**20
+
+
+class StartupError(MinigridError):
+    """A worker failed to start; the message carries what it said."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def api_error(status: int, message: str, type_: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body."""
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status
+    )
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.code, self.param, self.status = message, code, param, status
+
+
+@dataclass
+class WorkerLink:
+    role: str
+    proc: subprocess.Popen[bytes]
+    conn: Connection | None = None
+    ready: Ready | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    dead_reason: str | None = None
+    log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=200))
+
+    def alive(self) -> bool:
+        return self.dead_reason is None and self.proc.poll() is None and self.conn is not None
+
+    def send(self, msg: object) -> None:
+        if self.conn is None or not self.alive():
+            raise ConnectionError(f"{self.role} worker is down: {self.dead_reason or 'not connected'}")
+        with self.lock:
+            self.conn.send(msg)
+
+
+class Router:
+    """Owns the workers and the request bookkeeping; `app()` is the FastAPI application."""
+
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.tokenizer = ByteTokenizer()
+        self.admin_key = cfg.admin_key or os.environ.get("MINIGRID_ADMIN_KEY")
+        self.workers: dict[str, WorkerLink] = {}
+        self._rooms = itertools.count(1)
+        self._qids = itertools.count(1)
+        self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Result]]] = {}
+        self._queries: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self._plock = threading.Lock()
+        self.started_at = time.time()
+        self.startup_log: list[str] = []
+        self.registry = CollectorRegistry()
+        self.requests_total = Counter(
+            "minigrid_requests", "Completion requests by outcome", ["outcome"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "minigrid_time_to_first_token_seconds", "Time to first token", registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.registry.register(_PoolCollector(self))
+
+    # -- workers -------------------------------------------------------------------------
+    def start_workers(self, timeout_s: float = 120) -> None:
+        authkey = secrets.token_bytes(32)
+        env = dict(os.environ, MINIGRID_AUTHKEY=authkey.hex())
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        router_addr = "%s:%d" % listener.address
+        peer_port, dist_port = free_port(self.cfg.transfer_host), free_port(self.cfg.transfer_host)
+        for role in ROLES:
+            cmd = [
+                sys.executable, "-m", "minigrid_engine.worker", "--role", role, "--router", router_addr,
+                "--peer-port", str(peer_port), "--dist-port", str(dist_port), "--config", self.cfg.to_json(),
+            ]
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            link = WorkerLink(role, proc)
+            self.workers[role] = link
+            threading.Thread(target=self._pump_stderr, args=(link,), daemon=True).start()
+        accepted: queue.Queue[Connection] = queue.Queue()
+
+        def accept() -> None:
+            for _ in ROLES:
+                try:
+                    accepted.put(listener.accept())
+                except OSError:  # closed after a failed start
+                    return
+
+        threading.Thread(target=accept, name="accept-workers", daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(w.ready is None for w in self.workers.values()):
+                for w in self.workers.values():
+                    if w.proc.poll() is not None:
+                        time.sleep(0.2)  # let its last lines arrive
+                        raise StartupError(
+                            f"the {w.role} worker exited with status {w.proc.returncode} during startup:\n"
+                            + "\n".join(w.log_tail)
+                        )
+                if time.monotonic() > deadline:
+                    raise StartupError(f"workers not ready after {timeout_s:.0f} s")
+                try:
+                    conn = accepted.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                ready = conn.recv()
+                if not isinstance(ready, Ready):
+                    raise StartupError(f"a worker said {ready!r} instead of Ready")
+                link = self.workers[ready.role]
+                link.conn, link.ready = conn, ready
+                self.startup_log += ready.log
+                threading.Thread(target=self._reader, args=(link,), daemon=True).start()
+        except BaseException:
+            self.stop_workers()
+            raise
+        finally:
+            listener.close()
+
+    def _pump_stderr(self, link: WorkerLink) -> None:
+        assert link.proc.stderr is not None
+        for raw in link.proc.stderr:
+            line = raw.decode("utf-8", "replace").rstrip()
+            link.log_tail.append(line)
+            print(line, file=sys.stderr, flush=True)
+
+    def _reader(self, link: WorkerLink) -> None:
+        assert link.conn is not None
+        while True:
+            try:
+                msg = link.conn.recv()
+            except (EOFError, OSError):
+                code = link.proc.wait(timeout=5) if link.proc.poll() is None else link.proc.returncode
+                link.dead_reason = f"the {link.role} worker died (exit status {code})"
+                log.error("%s", link.dead_reason)
+                self._fail_all(link.dead_reason)
+                return
+            if isinstance(msg, Result):
+                self._resolve(msg)
+            elif isinstance(msg, Abort):
+                self._resolve(
+                    Result(msg.room, "", "", msg.status, finish_reason="error", error=msg.reason, code=msg.code,
+                           error_type="invalid_request_error" if msg.status < 500 else "server_error")
+                )
+            elif isinstance(msg, QueryReply):
+                with self._plock:
+                    slot = self._queries.get(msg.qid)
+                if slot is not None:
+                    slot[1].append(msg.data)
+                    slot[0].set()
+
+    def _resolve(self, result: Result) -> None:
+        with self._plock:
+            entry = self._pending.pop(result.room, None)
+        if entry is None:
+            return
+        loop, fut = entry
+        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+    def _fail_all(self, reason: str) -> None:
+        with self._plock:
+            rooms = list(self._pending)
+        for room in rooms:
+            self._resolve(Result(room, "", "", 503, finish_reason="error", error=reason,
+                                 code="worker_unavailable", error_type="server_error"))
+
+    def stop_workers(self, grace_s: float = 5) -> None:
+        for w in self.workers.values():
+            try:
+                if w.conn is not None and w.proc.poll() is None:
+                    w.send(Shutdown("router stopping"))
+            except (OSError, ConnectionError):
+                pass
+        deadline = time.monotonic() + grace_s
+        for w in self.workers.values():
+            try:
+                w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait(timeout=5)
+            if w.conn is not None:
+                w.conn.close()
+
+    def query(self, role: str, kind: str, timeout_s: float = 5, **args: Any) -> Any:
+        """Ask one worker; blocking (call from a thread)."""
+        qid = next(self._qids)
+        event: threading.Event = threading.Event()
+        box: list[Any] = []
+        with self._plock:
+            self._queries[qid] = (event, box)
+        try:
+            self.workers[role].send(Query(qid, kind, args))
+            if not event.wait(timeout_s):
+                raise TimeoutError(f"{role} worker did not answer a {kind} query in {timeout_s} s")
+            return box[0]
+        finally:
+            with self._plock:
+                self._queries.pop(qid, None)
+
+    def health(self) -> dict[str, Any]:
+        workers = {
+            role: {"up": w.alive(), "pid": w.proc.pid, "error": w.dead_reason if not w.alive() else None}
+            for role, w in self.workers.items()
+        }
+        ok = len(workers) == 2 and all(w["up"] for w in workers.values())
+        return {"status": "ok" if ok else "unavailable", "workers": workers}
+
+    # -- requests ------------------------------------------------------------------------
+    def tenant_of(self, authorization: str | None) -> str | None:
+        """The tenant whose key is presented (constant-time comparison), or None."""
+        if not authorization or not authorization.startswith("Bearer "):
+            return None
+        key = authorization[len("Bearer ") :].strip().encode()
+        found = None
+        for name, k in self.cfg.tenants.items():
+            if hmac.compare_digest(key, k.encode()):
+                found = name
+        if self.admin_key and hmac.compare_digest(key, self.admin_key.encode()):
+            found = found or "admin"
+        return found
+
+    def parse_completion(self, body: Any) -> tuple[list[int], int, float, int | None]:
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        if "model" in body and body["model"] != MODEL_ID:
+            raise BadRequest(f"the model {body['model']!r} does not exist; this server serves {MODEL_ID!r}",
+                             "model_not_found", "model", 404)
+        if "prompt" not in body:
+            raise BadRequest("'prompt' is required", "missing_required_parameter", "prompt")
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise BadRequest("'prompt' must be a string (one prompt per request)", "invalid_type", "prompt")
+        try:
+            ids = self.tokenizer.encode(prompt)
+        except MinigridError as exc:
+            raise BadRequest(str(exc), "invalid_prompt", "prompt") from None
+        max_tokens = body.get("max_tokens", 16)
+        if max_tokens is None:
+            max_tokens = 16
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise BadRequest(f"'max_tokens' must be an integer, got {json.dumps(max_tokens)}", "invalid_type", "max_tokens")
+        if max_tokens < 1:
+            raise BadRequest(f"'max_tokens' must be at least 1, got {max_tokens}", "invalid_value", "max_tokens")
+        temperature = body.get("temperature", 0)
+        if temperature is None:
+            temperature = 0
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
+            raise BadRequest(f"'temperature' must be a number from 0 to 2, got {json.dumps(temperature)}",
+                             "invalid_value", "temperature")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise BadRequest(f"'seed' must be an integer, got {json.dumps(seed)}", "invalid_type", "seed")
+        if body.get("stream"):
+            raise BadRequest("streaming is not supported by minigrid", "unsupported_parameter", "stream")
+        n = body.get("n", 1)
+        if n != 1:
+            raise BadRequest("'n' must be 1", "unsupported_parameter", "n")
+        total = len(ids) + max_tokens
+        if total > self.cfg.context_length:
+            raise BadRequest(
+                f"This model's maximum context length is {self.cfg.context_length} tokens. However, you "
+                f"requested {total} tokens ({len(ids)} in the prompt, {max_tokens} for the completion).",
+                "context_length_exceeded", "prompt",
+            )
+        return ids, max_tokens, float(temperature), seed
+
+    async def complete(self, tenant: str, ids: list[int], max_tokens: int, temperature: float,
+                       seed: int | None) -> Result:
+        room = next(self._rooms)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Result] = loop.create_future()
+        with self._plock:
+            self._pending[room] = (loop, fut)
+        msg = GenerateRequest(room, f"{tenant}-{room}", tenant, ids, max_tokens, temperature, seed)
+        try:
+            for role in ROLES:
+                self.workers[role].send(msg)
+        except (ConnectionError, OSError) as exc:
+            with self._plock:
+                self._pending.pop(room, None)
+            return Result(room, msg.request_id, tenant, 503, finish_reason="error", error=str(exc),
+                          code="worker_unavailable", error_type="server_error")
+        try:
+            return await fut
+        except asyncio.CancelledError:  # the client went away: tell the workers
+            with self._plock:
+                self._pending.pop(room, None)
+            for role in ROLES:
+                try:
+                    self.workers[role].send(Abort(room, "client disconnected", 499, "client_closed", "router"))
+                except (ConnectionError, OSError):
+                    pass
+            raise
+
+    # -- the HTTP application ------------------------------------------------------------
+    def app(self) -> FastAPI:
+        app = FastAPI(title="minigrid", docs_url=None, redoc_url=None)
+        router = self
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            if exc.status_code == 404:
+                return api_error(404, f"no route {request.method} {request.url.path}", "invalid_request_error",
+                                 "not_found")
+            if exc.status_code == 405:
+                return api_error(405, f"method {request.method} not allowed on {request.url.path}",
+                                 "invalid_request_error", "method_not_allowed")
+            return api_error(exc.status_code, str(exc.detail), "invalid_request_error")
+
+        @app.exception_handler(RequestValidationError)
+        async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+            return api_error(400, str(exc), "invalid_request_error", "invalid_request")
+
+        def unauthorized() -> JSONResponse:
+            return api_error(401, "Incorrect or missing API key: send Authorization: Bearer KEY",
+                             "invalid_request_error", "invalid_api_key")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            tenant = router.tenant_of(request.headers.get("authorization"))
+            if tenant is None:
+                router.requests_total.labels("unauthorized").inc()
+                return unauthorized()
+            raw = await request.body()
+            try:
+                if len(raw) > MAX_BODY_BYTES:
+                    raise BadRequest(f"request body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}",
+                                     "body_too_large", status=413)
+                try:
+                    body = json.loads(raw)
+                except (ValueError, RecursionError):
+                    raise BadRequest("the request body is not valid JSON", "invalid_json") from None
+                ids, max_tokens, temperature, seed = router.parse_completion(body)
+            except BadRequest as exc:
+                router.requests_total.labels("invalid").inc()
+                return api_error(exc.status, exc.message, "invalid_request_error", exc.code, exc.param)
+            if not router.health()["status"] == "ok":
+                router.requests_total.labels("unavailable").inc()
+                return api_error(503, "; ".join(w["error"] or "" for w in router.health()["workers"].values()
+                                                if w["error"]) or "engine not ready",
+                                 "server_error", "worker_unavailable")
+            result = await router.complete(tenant, ids, max_tokens, temperature, seed)
+            if result.status != 200:
+                router.requests_total.labels("rejected" if result.status < 500 else "aborted").inc()
+                return api_error(result.status, result.error or "request failed",
+                                 result.error_type or "server_error", result.code)
+            router.requests_total.labels("ok").inc()
+            ttft = result.timings.get("ttft_s")
+            if ttft is not None:
+                router.ttft.observe(ttft)
+            text = router.tokenizer.decode(result.output_ids)
+            return JSONResponse({
+                "id": f"cmpl-{result.request_id}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": MODEL_ID,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}],
+                "usage": {
+                    "prompt_tokens": result.prompt_tokens,
+                    "completion_tokens": len(result.output_ids),
+                    "total_tokens": result.prompt_tokens + len(result.output_ids),
+                },
+                "minigrid": {"request_id": result.request_id, "room": result.room, **result.timings},
+            })
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> Response:
+            if router.tenant_of(request.headers.get("authorization")) is None:
+                return unauthorized()
+            return JSONResponse({"object": "list", "data": [
+                {"id": MODEL_ID, "object": "model", "created": int(router.started_at), "owned_by": "minigrid",
+                 "max_model_len": router.cfg.context_length}]})
+
+        @app.get("/health")
+        async def health() -> Response:
+            h = router.health()
+            return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            data = await asyncio.to_thread(generate_latest, router.registry)
+            return PlainTextResponse(data.decode(), media_type="text/plain; version=0.0.4")
+
+        @app.get("/v1/minigrid/config")
+        async def config(request: Request) -> Response:
+            if router.tenant_of(request.headers.get("authorization")) is None:
+                return unauthorized()
+            c = router.cfg
+            return JSONResponse({
+                "model": MODEL_ID, "context_length": c.context_length, "page_size": c.page_size,
+                "prefill_pool_tokens": c.prefill_pool_tokens, "decode_pool_tokens": c.decode_pool_tokens,
+                "fixes": c.fixes.names(), "tenants": sorted(c.tenants), "startup_log": router.startup_log,
+            })
+
+        @app.get("/v1/minigrid/pools")
+        async def pools(request: Request) -> Response:
+            tenant = router.tenant_of(request.headers.get("authorization"))
+            if tenant is None:
+                return unauthorized()
+            if tenant != "admin":
+                return api_error(403, "the page pools are shown to the admin key only", "invalid_request_error",
+                                 "forbidden")
+            snaps = {role: await asyncio.to_thread(router.query, role, "pool") for role in ROLES}
+            return JSONResponse(snaps)
+
+        @app.get("/v1/minigrid/trace")
+        async def trace(request: Request, since: int = 0) -> Response:
+            tenant = router.tenant_of(request.headers.get("authorization"))
+            if tenant is None:
+                return unauthorized()
+            only = None if tenant == "admin" else tenant
+            events = {role: await asyncio.to_thread(router.query, role, "trace", since=since, tenant=only)
+                      for role in ROLES}
+            return JSONResponse(events)
+
+        return app
+
+
+class _PoolCollector:
+    """Reads each worker's pool and counters at scrape time (fresh numbers, never cached)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        r = self.router
+        cap = GaugeMetricFamily("minigrid_kv_pool_capacity_tokens", "KV pool capacity in tokens", labels=["role"])
+        pages = GaugeMetricFamily("minigrid_kv_pool_pages", "KV pool size in pages", labels=["role"])
+        used = GaugeMetricFamily("minigrid_kv_pages_in_use", "KV pages held by requests", labels=["role"])
+        up = GaugeMetricFamily("minigrid_worker_up", "1 when the worker process is alive", labels=["role"])
+        counters: dict[str, float] = {}
+        for role, w in r.workers.items():
+            up.add_metric([role], 1.0 if w.alive() else 0.0)
+            if w.ready is not None:
+                cap.add_metric([role], w.ready.capacity_tokens)
+                pages.add_metric([role], w.ready.n_pages)
+            if w.alive():
+                try:
+                    stats = r.query(role, "stats", timeout_s=2)
+                except (TimeoutError, ConnectionError, OSError):
+                    continue
+                used.add_metric([role], stats["pages_in_use"])
+                for key, value in stats["counters"].items():
+                    counters[key] = counters.get(key, 0) + value
+        yield cap
+        yield pages
+        yield used
+        yield up
+        ctx = GaugeMetricFamily("minigrid_context_length_tokens", "Advertised context length in tokens")
+        ctx.add_metric([], r.cfg.context_length)
+        yield ctx
+        page = GaugeMetricFamily("minigrid_kv_page_size_tokens", "Tokens per KV page")
+        page.add_metric([], r.cfg.page_size)
+        yield page
+        # Counted by the fixes that detect them; they stay at zero while those fixes are off.
+        for name, key, doc in (
+            ("minigrid_kv_checksum_mismatches", "checksum_mismatches", "KV pages whose checksum did not match"),
+            ("minigrid_owner_check_violations", "owner_check_violations",
+             "Page reads by a request that was not the page's last writer"),
+            ("minigrid_prefill_stubbed_requests", "stubbed", "Prompts replaced by a one-token stub"),
+        ):
+            fam = CounterMetricFamily(name, doc)
+            fam.add_metric([], counters.get(key, 0.0))
+            yield fam

@@ -1,0 +1,49 @@
+"""`minigrid serve`: start the router (this process) and the two worker processes, serve until stopped.
+
+SIGINT or SIGTERM stops the HTTP server, then the workers (asked first, killed after a grace
+period). If this process is killed outright, the workers see their connection close and exit.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from minigrid_engine.config import ServeConfig
+from minigrid_engine.router import Router
+
+
+def serve(cfg: ServeConfig, ready_file: Path | None = None) -> int:
+    router = Router(cfg)
+    router.start_workers()
+    for line in router.startup_log:
+        print(f"minigrid: {line}", file=sys.stderr, flush=True)
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((cfg.host, cfg.port))
+    except OSError as exc:
+        router.stop_workers()
+        raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}") from None
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}"
+    server = uvicorn.Server(
+        uvicorn.Config(router.app(), log_level="warning", lifespan="off", access_log=False)
+    )
+    print(
+        f"minigrid: context length {cfg.context_length} tokens, fixes: {cfg.fixes}, "
+        f"tenants: {', '.join(sorted(cfg.tenants))}",
+        file=sys.stderr,
+    )
+    print(f"minigrid: serving on {url}", file=sys.stderr, flush=True)
+    if ready_file is not None:
+        ready_file.write_text(url + "\n")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        router.stop_workers()
+        print("minigrid: stopped", file=sys.stderr, flush=True)
+    return 0
