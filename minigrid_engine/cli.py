@@ -122,10 +122,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from minigrid_engine.serve import serve
 
     base = corrected_preset() if args.preset == "corrected" else incident_preset()
-    changes: dict[str, object] = {"host": args.host, "port": args.port, "device": args.device,
-                                  "attention": args.attention}
-    for flag in ("context_length", "page_size", "prefill_pool_tokens", "decode_pool_tokens", "max_batch",
-                 "admin_key"):
+    changes: dict[str, object] = {
+        "host": args.host,
+        "port": args.port,
+        "device": args.device,
+        "attention": args.attention,
+    }
+    for flag in (
+        "context_length",
+        "page_size",
+        "prefill_pool_tokens",
+        "decode_pool_tokens",
+        "max_batch",
+        "admin_key",
+    ):
         if getattr(args, flag) is not None:
             changes[flag] = getattr(args, flag)
     if args.fixes is not None:
@@ -151,8 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="start router, prefill and decode processes and serve HTTP")
-    s.add_argument("--preset", choices=["incident", "corrected"], default="incident",
-                   help="incident: context 1024 over a 665-token prefill pool; corrected: pool 2048")
+    s.add_argument(
+        "--preset",
+        choices=["incident", "corrected"],
+        default="incident",
+        help="incident: context 1024 over a 665-token prefill pool; corrected: pool 2048",
+    )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--context-length", type=positive_int)

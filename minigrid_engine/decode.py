@@ -63,8 +63,13 @@ class DecodeScheduler:
     # -- messages ------------------------------------------------------------------------
     def on_generate(self, msg: GenerateRequest) -> None:
         req = Request(
-            msg.request_id, msg.tenant, list(msg.prompt_ids), msg.max_tokens, msg.temperature,
-            msg.seed, room=msg.room,
+            msg.request_id,
+            msg.tenant,
+            list(msg.prompt_ids),
+            msg.max_tokens,
+            msg.temperature,
+            msg.seed,
+            room=msg.room,
         )
         req.advance(State.BOOTSTRAPPING, self.trace, role="decode")
         self.bootstrapping[msg.room] = req
@@ -146,7 +151,10 @@ class DecodeScheduler:
         batch = self.running[: self.cfg.max_batch]
         items = [
             DecodeItem(
-                r.request_id, r.tenant, r.output_ids[-1], r.prompt_len + len(r.output_ids) - 1,
+                r.request_id,
+                r.tenant,
+                r.output_ids[-1],
+                r.prompt_len + len(r.output_ids) - 1,
                 self.pool.reservation(r.request_id).pages,
             )
             for r in batch
@@ -174,7 +182,13 @@ class DecodeScheduler:
             self.counters["completed"] += 1
             self.send_router(
                 Result(
-                    r.room or 0, r.request_id, r.tenant, 200, list(r.output_ids), r.prompt_len, "length",
+                    r.room or 0,
+                    r.request_id,
+                    r.tenant,
+                    200,
+                    list(r.output_ids),
+                    r.prompt_len,
+                    "length",
                     timings={
                         "ttft_s": (r.first_token_at or r.created_at) - r.created_at,
                         "latency_s": (r.finished_at or time.time()) - r.created_at,
@@ -187,8 +201,18 @@ class DecodeScheduler:
         req.finish(Outcome.ABORTED, self.trace, reason)
         self.counters["aborted"] += 1
         self.send_router(
-            Result(req.room or 0, req.request_id, req.tenant, 500, [], req.prompt_len, "error",
-                   error=reason, code="kv_transfer_failed", error_type="server_error")
+            Result(
+                req.room or 0,
+                req.request_id,
+                req.tenant,
+                500,
+                [],
+                req.prompt_len,
+                "error",
+                error=reason,
+                code="kv_transfer_failed",
+                error_type="server_error",
+            )
         )
         self.send_prefill(Abort(req.room or 0, reason, 500, "kv_transfer_failed", "decode"))
 

@@ -64,8 +64,7 @@ def parse_fixes(text: str) -> Fixes:
     unknown = [n for n in names if n not in FIXES]
     if unknown:
         raise ConfigError(
-            f"unknown fix {unknown[0]!r}: choose none, all, or a comma-separated list of "
-            f"{', '.join(FIXES)}"
+            f"unknown fix {unknown[0]!r}: choose none, all, or a comma-separated list of {', '.join(FIXES)}"
         )
     missing = [n for n in names if n not in BUILT]
     if missing:

@@ -167,7 +167,7 @@ def save_model(model: Transformer, path: Path, meta: dict[str, object]) -> None:
     torch.save({"config": asdict(model.cfg), "state_dict": state, "meta": meta}, path)
 
 
-def load_model(path: Path | None = None, device: str | torch.device = "cpu") -> Transformer:
+def load_model(path: Path | str | None = None, device: str | torch.device = "cpu") -> Transformer:
     """Load the shipped model (or the file at `path`) in float32, in eval mode, no network."""
     path = Path(path) if path is not None else default_weights_path()
     if not path.exists():

@@ -77,8 +77,13 @@ class PrefillScheduler:
     # -- messages ------------------------------------------------------------------------
     def on_generate(self, msg: GenerateRequest) -> None:
         req = Request(
-            msg.request_id, msg.tenant, list(msg.prompt_ids), msg.max_tokens, msg.temperature,
-            msg.seed, room=msg.room,
+            msg.request_id,
+            msg.tenant,
+            list(msg.prompt_ids),
+            msg.max_tokens,
+            msg.temperature,
+            msg.seed,
+            room=msg.room,
         )
         req.advance(State.BOOTSTRAPPING, self.trace, role="prefill")
         self.bootstrap_queue.append(req)
@@ -148,7 +153,11 @@ class PrefillScheduler:
         req.prompt_ids = [STUB_TOKEN]
         self.counters["stubbed"] += 1
         self.trace.emit(
-            "stub", req.request_id, req.tenant, prompt_tokens=req.stubbed_from, stub_tokens=1,
+            "stub",
+            req.request_id,
+            req.tenant,
+            prompt_tokens=req.stubbed_from,
+            stub_tokens=1,
             pool_tokens=self.pool.capacity_tokens,
         )
 

@@ -7,6 +7,7 @@ torch (it stays small: the whole engine has to fit a 1 GB Binder session).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import json
@@ -52,7 +53,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def api_error(status: int, message: str, type_: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+def api_error(
+    status: int, message: str, type_: str, code: str | None = None, param: str | None = None
+) -> JSONResponse:
     """An OpenAI-style error body."""
     return JSONResponse(
         {"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status
@@ -60,7 +63,9 @@ def api_error(status: int, message: str, type_: str, code: str | None = None, pa
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None, status: int = 400):
+    def __init__(
+        self, message: str, code: str = "invalid_request", param: str | None = None, status: int = 400
+    ):
         super().__init__(message)
         self.message, self.code, self.param, self.status = message, code, param, status
 
@@ -105,7 +110,9 @@ class Router:
             "minigrid_requests", "Completion requests by outcome", ["outcome"], registry=self.registry
         )
         self.ttft = Histogram(
-            "minigrid_time_to_first_token_seconds", "Time to first token", registry=self.registry,
+            "minigrid_time_to_first_token_seconds",
+            "Time to first token",
+            registry=self.registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
         self.registry.register(_PoolCollector(self))
@@ -115,12 +122,23 @@ class Router:
         authkey = secrets.token_bytes(32)
         env = dict(os.environ, MINIGRID_AUTHKEY=authkey.hex())
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        router_addr = "%s:%d" % listener.address
+        router_addr = "{}:{}".format(*listener.address)
         peer_port, dist_port = free_port(self.cfg.transfer_host), free_port(self.cfg.transfer_host)
         for role in ROLES:
             cmd = [
-                sys.executable, "-m", "minigrid_engine.worker", "--role", role, "--router", router_addr,
-                "--peer-port", str(peer_port), "--dist-port", str(dist_port), "--config", self.cfg.to_json(),
+                sys.executable,
+                "-m",
+                "minigrid_engine.worker",
+                "--role",
+                role,
+                "--router",
+                router_addr,
+                "--peer-port",
+                str(peer_port),
+                "--dist-port",
+                str(dist_port),
+                "--config",
+                self.cfg.to_json(),
             ]
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
             link = WorkerLink(role, proc)
@@ -187,8 +205,16 @@ class Router:
                 self._resolve(msg)
             elif isinstance(msg, Abort):
                 self._resolve(
-                    Result(msg.room, "", "", msg.status, finish_reason="error", error=msg.reason, code=msg.code,
-                           error_type="invalid_request_error" if msg.status < 500 else "server_error")
+                    Result(
+                        msg.room,
+                        "",
+                        "",
+                        msg.status,
+                        finish_reason="error",
+                        error=msg.reason,
+                        code=msg.code,
+                        error_type="invalid_request_error" if msg.status < 500 else "server_error",
+                    )
                 )
             elif isinstance(msg, QueryReply):
                 with self._plock:
@@ -203,14 +229,29 @@ class Router:
         if entry is None:
             return
         loop, fut = entry
-        loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+        def settle() -> None:
+            if not fut.done():
+                fut.set_result(result)
+
+        loop.call_soon_threadsafe(settle)
 
     def _fail_all(self, reason: str) -> None:
         with self._plock:
             rooms = list(self._pending)
         for room in rooms:
-            self._resolve(Result(room, "", "", 503, finish_reason="error", error=reason,
-                                 code="worker_unavailable", error_type="server_error"))
+            self._resolve(
+                Result(
+                    room,
+                    "",
+                    "",
+                    503,
+                    finish_reason="error",
+                    error=reason,
+                    code="worker_unavailable",
+                    error_type="server_error",
+                )
+            )
 
     def stop_workers(self, grace_s: float = 5) -> None:
         for w in self.workers.values():
@@ -271,8 +312,12 @@ class Router:
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         if "model" in body and body["model"] != MODEL_ID:
-            raise BadRequest(f"the model {body['model']!r} does not exist; this server serves {MODEL_ID!r}",
-                             "model_not_found", "model", 404)
+            raise BadRequest(
+                f"the model {body['model']!r} does not exist; this server serves {MODEL_ID!r}",
+                "model_not_found",
+                "model",
+                404,
+            )
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", "missing_required_parameter", "prompt")
         prompt = body["prompt"]
@@ -288,15 +333,26 @@ class Router:
         if max_tokens is None:
             max_tokens = 16
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise BadRequest(f"'max_tokens' must be an integer, got {json.dumps(max_tokens)}", "invalid_type", "max_tokens")
+            raise BadRequest(
+                f"'max_tokens' must be an integer, got {json.dumps(max_tokens)}", "invalid_type", "max_tokens"
+            )
         if max_tokens < 1:
-            raise BadRequest(f"'max_tokens' must be at least 1, got {max_tokens}", "invalid_value", "max_tokens")
+            raise BadRequest(
+                f"'max_tokens' must be at least 1, got {max_tokens}", "invalid_value", "max_tokens"
+            )
         temperature = body.get("temperature", 0)
         if temperature is None:
             temperature = 0
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
-            raise BadRequest(f"'temperature' must be a number from 0 to 2, got {json.dumps(temperature)}",
-                             "invalid_value", "temperature")
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or not 0 <= temperature <= 2
+        ):
+            raise BadRequest(
+                f"'temperature' must be a number from 0 to 2, got {json.dumps(temperature)}",
+                "invalid_value",
+                "temperature",
+            )
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise BadRequest(f"'seed' must be an integer, got {json.dumps(seed)}", "invalid_type", "seed")
@@ -310,12 +366,14 @@ class Router:
             raise BadRequest(
                 f"This model's maximum context length is {self.cfg.context_length} tokens. However, you "
                 f"requested {total} tokens ({len(ids)} in the prompt, {max_tokens} for the completion).",
-                "context_length_exceeded", "prompt",
+                "context_length_exceeded",
+                "prompt",
             )
         return ids, max_tokens, float(temperature), seed
 
-    async def complete(self, tenant: str, ids: list[int], max_tokens: int, temperature: float,
-                       seed: int | None) -> Result:
+    async def complete(
+        self, tenant: str, ids: list[int], max_tokens: int, temperature: float, seed: int | None
+    ) -> Result:
         room = next(self._rooms)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Result] = loop.create_future()
@@ -328,18 +386,26 @@ class Router:
         except (ConnectionError, OSError) as exc:
             with self._plock:
                 self._pending.pop(room, None)
-            return Result(room, msg.request_id, tenant, 503, finish_reason="error", error=str(exc),
-                          code="worker_unavailable", error_type="server_error")
+            return Result(
+                room,
+                msg.request_id,
+                tenant,
+                503,
+                finish_reason="error",
+                error=str(exc),
+                code="worker_unavailable",
+                error_type="server_error",
+            )
         try:
             return await fut
         except asyncio.CancelledError:  # the client went away: tell the workers
             with self._plock:
                 self._pending.pop(room, None)
             for role in ROLES:
-                try:
-                    self.workers[role].send(Abort(room, "client disconnected", 499, "client_closed", "router"))
-                except (ConnectionError, OSError):
-                    pass
+                with contextlib.suppress(ConnectionError, OSError):
+                    self.workers[role].send(
+                        Abort(room, "client disconnected", 499, "client_closed", "router")
+                    )
             raise
 
     # -- the HTTP application ------------------------------------------------------------
@@ -350,11 +416,16 @@ class Router:
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
             if exc.status_code == 404:
-                return api_error(404, f"no route {request.method} {request.url.path}", "invalid_request_error",
-                                 "not_found")
+                return api_error(
+                    404, f"no route {request.method} {request.url.path}", "invalid_request_error", "not_found"
+                )
             if exc.status_code == 405:
-                return api_error(405, f"method {request.method} not allowed on {request.url.path}",
-                                 "invalid_request_error", "method_not_allowed")
+                return api_error(
+                    405,
+                    f"method {request.method} not allowed on {request.url.path}",
+                    "invalid_request_error",
+                    "method_not_allowed",
+                )
             return api_error(exc.status_code, str(exc.detail), "invalid_request_error")
 
         @app.exception_handler(RequestValidationError)
@@ -362,8 +433,12 @@ class Router:
             return api_error(400, str(exc), "invalid_request_error", "invalid_request")
 
         def unauthorized() -> JSONResponse:
-            return api_error(401, "Incorrect or missing API key: send Authorization: Bearer KEY",
-                             "invalid_request_error", "invalid_api_key")
+            return api_error(
+                401,
+                "Incorrect or missing API key: send Authorization: Bearer KEY",
+                "invalid_request_error",
+                "invalid_api_key",
+            )
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
@@ -374,8 +449,11 @@ class Router:
             raw = await request.body()
             try:
                 if len(raw) > MAX_BODY_BYTES:
-                    raise BadRequest(f"request body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}",
-                                     "body_too_large", status=413)
+                    raise BadRequest(
+                        f"request body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}",
+                        "body_too_large",
+                        status=413,
+                    )
                 try:
                     body = json.loads(raw)
                 except (ValueError, RecursionError):
@@ -384,42 +462,65 @@ class Router:
             except BadRequest as exc:
                 router.requests_total.labels("invalid").inc()
                 return api_error(exc.status, exc.message, "invalid_request_error", exc.code, exc.param)
-            if not router.health()["status"] == "ok":
+            if router.health()["status"] != "ok":
                 router.requests_total.labels("unavailable").inc()
-                return api_error(503, "; ".join(w["error"] or "" for w in router.health()["workers"].values()
-                                                if w["error"]) or "engine not ready",
-                                 "server_error", "worker_unavailable")
+                return api_error(
+                    503,
+                    "; ".join(w["error"] or "" for w in router.health()["workers"].values() if w["error"])
+                    or "engine not ready",
+                    "server_error",
+                    "worker_unavailable",
+                )
             result = await router.complete(tenant, ids, max_tokens, temperature, seed)
             if result.status != 200:
                 router.requests_total.labels("rejected" if result.status < 500 else "aborted").inc()
-                return api_error(result.status, result.error or "request failed",
-                                 result.error_type or "server_error", result.code)
+                return api_error(
+                    result.status,
+                    result.error or "request failed",
+                    result.error_type or "server_error",
+                    result.code,
+                )
             router.requests_total.labels("ok").inc()
             ttft = result.timings.get("ttft_s")
             if ttft is not None:
                 router.ttft.observe(ttft)
             text = router.tokenizer.decode(result.output_ids)
-            return JSONResponse({
-                "id": f"cmpl-{result.request_id}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": MODEL_ID,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}],
-                "usage": {
-                    "prompt_tokens": result.prompt_tokens,
-                    "completion_tokens": len(result.output_ids),
-                    "total_tokens": result.prompt_tokens + len(result.output_ids),
-                },
-                "minigrid": {"request_id": result.request_id, "room": result.room, **result.timings},
-            })
+            return JSONResponse(
+                {
+                    "id": f"cmpl-{result.request_id}",
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": MODEL_ID,
+                    "choices": [
+                        {"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}
+                    ],
+                    "usage": {
+                        "prompt_tokens": result.prompt_tokens,
+                        "completion_tokens": len(result.output_ids),
+                        "total_tokens": result.prompt_tokens + len(result.output_ids),
+                    },
+                    "minigrid": {"request_id": result.request_id, "room": result.room, **result.timings},
+                }
+            )
 
         @app.get("/v1/models")
         async def models(request: Request) -> Response:
             if router.tenant_of(request.headers.get("authorization")) is None:
                 return unauthorized()
-            return JSONResponse({"object": "list", "data": [
-                {"id": MODEL_ID, "object": "model", "created": int(router.started_at), "owned_by": "minigrid",
-                 "max_model_len": router.cfg.context_length}]})
+            return JSONResponse(
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": MODEL_ID,
+                            "object": "model",
+                            "created": int(router.started_at),
+                            "owned_by": "minigrid",
+                            "max_model_len": router.cfg.context_length,
+                        }
+                    ],
+                }
+            )
 
         @app.get("/health")
         async def health() -> Response:
@@ -436,11 +537,18 @@ class Router:
             if router.tenant_of(request.headers.get("authorization")) is None:
                 return unauthorized()
             c = router.cfg
-            return JSONResponse({
-                "model": MODEL_ID, "context_length": c.context_length, "page_size": c.page_size,
-                "prefill_pool_tokens": c.prefill_pool_tokens, "decode_pool_tokens": c.decode_pool_tokens,
-                "fixes": c.fixes.names(), "tenants": sorted(c.tenants), "startup_log": router.startup_log,
-            })
+            return JSONResponse(
+                {
+                    "model": MODEL_ID,
+                    "context_length": c.context_length,
+                    "page_size": c.page_size,
+                    "prefill_pool_tokens": c.prefill_pool_tokens,
+                    "decode_pool_tokens": c.decode_pool_tokens,
+                    "fixes": c.fixes.names(),
+                    "tenants": sorted(c.tenants),
+                    "startup_log": router.startup_log,
+                }
+            )
 
         @app.get("/v1/minigrid/pools")
         async def pools(request: Request) -> Response:
@@ -448,8 +556,12 @@ class Router:
             if tenant is None:
                 return unauthorized()
             if tenant != "admin":
-                return api_error(403, "the page pools are shown to the admin key only", "invalid_request_error",
-                                 "forbidden")
+                return api_error(
+                    403,
+                    "the page pools are shown to the admin key only",
+                    "invalid_request_error",
+                    "forbidden",
+                )
             snaps = {role: await asyncio.to_thread(router.query, role, "pool") for role in ROLES}
             return JSONResponse(snaps)
 
@@ -459,8 +571,10 @@ class Router:
             if tenant is None:
                 return unauthorized()
             only = None if tenant == "admin" else tenant
-            events = {role: await asyncio.to_thread(router.query, role, "trace", since=since, tenant=only)
-                      for role in ROLES}
+            events = {
+                role: await asyncio.to_thread(router.query, role, "trace", since=since, tenant=only)
+                for role in ROLES
+            }
             return JSONResponse(events)
 
         return app
@@ -477,7 +591,9 @@ class _PoolCollector:
 
     def collect(self) -> Any:
         r = self.router
-        cap = GaugeMetricFamily("minigrid_kv_pool_capacity_tokens", "KV pool capacity in tokens", labels=["role"])
+        cap = GaugeMetricFamily(
+            "minigrid_kv_pool_capacity_tokens", "KV pool capacity in tokens", labels=["role"]
+        )
         pages = GaugeMetricFamily("minigrid_kv_pool_pages", "KV pool size in pages", labels=["role"])
         used = GaugeMetricFamily("minigrid_kv_pages_in_use", "KV pages held by requests", labels=["role"])
         up = GaugeMetricFamily("minigrid_worker_up", "1 when the worker process is alive", labels=["role"])
@@ -507,9 +623,16 @@ class _PoolCollector:
         yield page
         # Counted by the fixes that detect them; they stay at zero while those fixes are off.
         for name, key, doc in (
-            ("minigrid_kv_checksum_mismatches", "checksum_mismatches", "KV pages whose checksum did not match"),
-            ("minigrid_owner_check_violations", "owner_check_violations",
-             "Page reads by a request that was not the page's last writer"),
+            (
+                "minigrid_kv_checksum_mismatches",
+                "checksum_mismatches",
+                "KV pages whose checksum did not match",
+            ),
+            (
+                "minigrid_owner_check_violations",
+                "owner_check_violations",
+                "Page reads by a request that was not the page's last writer",
+            ),
             ("minigrid_prefill_stubbed_requests", "stubbed", "Prompts replaced by a one-token stub"),
         ):
             fam = CounterMetricFamily(name, doc)

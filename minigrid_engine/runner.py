@@ -122,6 +122,7 @@ class ModelRunner:
                 it.tenant,
                 self._pages_covering(it.pages, 0, it.position + 1),
                 kv_len=it.position + 1,
+                batch_size=len(items),
             )
         return logits[:, 0]
 

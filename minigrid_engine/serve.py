@@ -6,14 +6,36 @@ period). If this process is killed outright, the workers see their connection cl
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
 from minigrid_engine.config import ServeConfig
 from minigrid_engine.router import Router
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, which would kill this process
+    before it stops the workers; here a signal only asks the server to exit."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        def stop(sig: int, frame: FrameType | None) -> None:
+            self.force_exit = self.should_exit and sig == signal.SIGINT
+            self.should_exit = True
+
+        old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
 
 
 def serve(cfg: ServeConfig, ready_file: Path | None = None) -> int:
@@ -30,9 +52,7 @@ def serve(cfg: ServeConfig, ready_file: Path | None = None) -> int:
         raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}") from None
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
-    server = uvicorn.Server(
-        uvicorn.Config(router.app(), log_level="warning", lifespan="off", access_log=False)
-    )
+    server = _Server(uvicorn.Config(router.app(), log_level="warning", lifespan="off", access_log=False))
     print(
         f"minigrid: context length {cfg.context_length} tokens, fixes: {cfg.fixes}, "
         f"tenants: {', '.join(sorted(cfg.tenants))}",

@@ -90,8 +90,10 @@ def _block(rng: random.Random, max_len: int) -> str:
             recs += secret_records(_tenant(rng), rng.randint(1, 20), rng)
             rng.shuffle(recs)
         text = "".join(recs)
-    elif kind < 0.8:
+    elif kind < 0.72:
         text = "".join(rng.choice(PRINTABLE) for _ in range(rng.randint(4, 600)))
+    elif kind < 0.8:  # any byte at all: UTF-8 text, control bytes, a stub's NUL
+        text = bytes(rng.randrange(1, 256) for _ in range(rng.randint(4, 300))).decode("latin-1")
     else:
         words = [
             "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 9)))
@@ -104,8 +106,10 @@ def _block(rng: random.Random, max_len: int) -> str:
 def sample_sequence(rng: random.Random, length: int, max_block: int = MAX_BLOCK) -> list[int]:
     """`length + 1` byte ids: blocks of at most `max_block` bytes, each repeated."""
     out = bytearray()
+    if rng.random() < 0.3:  # a few arbitrary bytes first (e.g. a one-token stub), then business as usual
+        out += bytes(rng.randrange(256) for _ in range(rng.randint(1, 4)))
     while len(out) < length + 1:
-        block = _block(rng, max_block).encode()
+        block = _block(rng, max_block).encode("latin-1", "replace")
         reps = 1 + min(int(rng.expovariate(0.5)), 8) if rng.random() < 0.9 else 1
         if len(block) < 64:  # short blocks: repeat enough to learn from
             reps += rng.randint(1, 6)

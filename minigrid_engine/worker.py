@@ -75,8 +75,9 @@ class LockedConn:
 
 
 class Worker:
-    def __init__(self, role: str, cfg: ServeConfig, router: Connection, peer: Connection,
-                 transport: DistTransport) -> None:
+    def __init__(
+        self, role: str, cfg: ServeConfig, router: Connection, peer: Connection, transport: DistTransport
+    ) -> None:
         self.role = role
         self.cfg = cfg
         self.router = LockedConn(router)
@@ -128,8 +129,14 @@ class Worker:
         elif isinstance(msg, TransferBegin) and isinstance(s, DecodeScheduler):
             mc = self.pool.model_cfg
             like = torch.empty(
-                2, mc.n_layers, len(msg.dst_pages), self.pool.page_size, mc.n_kv_heads, mc.head_dim,
-                dtype=self.pool.k.dtype, device=self.pool.k.device,
+                2,
+                mc.n_layers,
+                len(msg.dst_pages),
+                self.pool.page_size,
+                mc.n_kv_heads,
+                mc.head_dim,
+                dtype=self.pool.k.dtype,
+                device=self.pool.k.device,
             )
             s.on_transfer_begin(msg, self.transport.recv(like))
         elif isinstance(msg, TransferDone) and isinstance(s, DecodeScheduler):
@@ -224,7 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     worker = Worker(a.role, cfg, router, peer, transport)
     line = worker.pool.describe()  # the router prints it: the startup line operators read
     router.send(
-        Ready(a.role, os.getpid(), worker.pool.capacity_tokens, worker.pool.page_size, worker.pool.n_pages, [line])
+        Ready(
+            a.role,
+            os.getpid(),
+            worker.pool.capacity_tokens,
+            worker.pool.page_size,
+            worker.pool.n_pages,
+            [line],
+        )
     )
     try:
         worker.run()

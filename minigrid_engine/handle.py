@@ -1,0 +1,271 @@
+"""The Python handle for notebooks: start the engine in the background and talk to it.
+
+    from minigrid_engine.handle import Engine
+    eng = Engine.start(fixes="none")            # router + prefill + decode processes, embedded
+    r = eng.complete("alice", "ALICE card QZ7K2M9P; " * 20, max_tokens=24)
+    r.status, r.text, r.prompt_tokens, r.ttft_s
+    eng.pools()["decode"][:3]                    # owner and last writer of every page
+    eng.trace()                                  # every reserve / write / read / release event
+    eng.stop()
+
+It runs `minigrid serve` as a child process on a free loopback port (no server to start by
+hand), with an admin key of its own so it may read the pools and the whole trace.
+`Engine.connect(url, key)` talks to an engine someone else started.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from minigrid_engine.config import DEFAULT_TENANTS, ServeConfig, incident_preset
+from minigrid_engine.errors import MinigridError
+from minigrid_engine.fixes import Fixes, parse_fixes
+from minigrid_engine.router import free_port
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a client saw for one completion request."""
+
+    status: int
+    text: str
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    request_id: str | None
+    ttft_s: float | None
+    latency_s: float
+    error: dict[str, Any] | None = None
+    body: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
+class EngineNotReady(MinigridError):
+    pass
+
+
+class Engine:
+    def __init__(
+        self,
+        url: str,
+        tenants: dict[str, str],
+        admin_key: str | None,
+        proc: subprocess.Popen[bytes] | None = None,
+        log_path: Path | None = None,
+        cfg: ServeConfig | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.tenants = tenants
+        self.admin_key = admin_key
+        self.proc = proc
+        self.log_path = log_path
+        self.cfg = cfg
+        self.http = httpx.Client(base_url=self.url, timeout=120)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @classmethod
+    def start(
+        cls,
+        cfg: ServeConfig | None = None,
+        *,
+        fixes: str | Fixes | None = None,
+        timeout_s: float = 120,
+        **changes: Any,
+    ) -> Engine:
+        """Start router, prefill and decode in the background; returns once /health is 200."""
+        cfg = cfg or incident_preset()
+        if fixes is not None:
+            changes["fixes"] = parse_fixes(fixes) if isinstance(fixes, str) else fixes
+        admin = secrets.token_hex(16)
+        cfg = cfg.with_(port=free_port(), admin_key=admin, **changes)
+        log = Path(tempfile.mkstemp(prefix="minigrid-", suffix=".log")[1])
+        cmd = [sys.executable, "-m", "minigrid_engine.cli", "serve", *_flags(cfg)]
+        env = dict(os.environ, MINIGRID_ADMIN_KEY=admin, PYTHONUNBUFFERED="1")
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
+        eng = cls(f"http://{cfg.host}:{cfg.port}", dict(cfg.tenants), admin, proc, log, cfg)
+        atexit.register(eng.stop)
+        eng.wait_ready(timeout_s)
+        return eng
+
+    @classmethod
+    def connect(cls, url: str, tenants: dict[str, str], admin_key: str | None = None) -> Engine:
+        return cls(url, tenants, admin_key)
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EngineNotReady(f"the engine exited with status {self.proc.returncode}:\n{self.log()}")
+            try:
+                if self.http.get("/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise EngineNotReady(f"the engine was not healthy after {timeout_s:.0f} s:\n{self.log()}")
+
+    def stop(self, timeout_s: float = 15) -> None:
+        """Stop all three processes (SIGTERM, then SIGKILL after `timeout_s`)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.http.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log(self) -> str:
+        """Everything the engine printed (startup lines: the pool sizes)."""
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    # -- requests ------------------------------------------------------------------------
+    def _key(self, tenant: str) -> str:
+        if tenant == "admin" and self.admin_key:
+            return self.admin_key
+        try:
+            return self.tenants[tenant]
+        except KeyError:
+            raise MinigridError(
+                f"unknown tenant {tenant!r}: this engine has {', '.join(self.tenants)}"
+            ) from None
+
+    def complete(self, tenant: str, prompt: str, max_tokens: int = 16, **body: Any) -> Reply:
+        """POST /v1/completions as `tenant`; returns what the client saw, errors included."""
+        t0 = time.perf_counter()
+        r = self.http.post(
+            "/v1/completions",
+            json={"prompt": prompt, "max_tokens": max_tokens, **body},
+            headers={"Authorization": f"Bearer {self._key(tenant)}"},
+        )
+        latency = time.perf_counter() - t0
+        data = r.json()
+        if r.status_code != 200:
+            return Reply(r.status_code, "", None, None, None, None, latency, data.get("error"), data)
+        usage, extra = data["usage"], data.get("minigrid", {})
+        return Reply(
+            200,
+            data["choices"][0]["text"],
+            usage["prompt_tokens"],
+            usage["completion_tokens"],
+            extra.get("request_id"),
+            extra.get("ttft_s"),
+            latency,
+            None,
+            data,
+        )
+
+    def pools(self) -> dict[str, list[dict[str, Any]]]:
+        """Owner table of each role: owner, last writer and staleness of every page."""
+        r = self.http.get("/v1/minigrid/pools", headers={"Authorization": f"Bearer {self._key('admin')}"})
+        r.raise_for_status()
+        return dict(r.json())
+
+    def trace(self, since: int = 0, tenant: str = "admin") -> dict[str, list[dict[str, Any]]]:
+        """Trace events of each role (the admin sees all; a tenant only its own)."""
+        r = self.http.get(
+            "/v1/minigrid/trace",
+            params={"since": since},
+            headers={"Authorization": f"Bearer {self._key(tenant)}"},
+        )
+        r.raise_for_status()
+        return dict(r.json())
+
+    def metrics(self) -> dict[str, float]:
+        """`/metrics` as {'name{label="v"}': value}."""
+        text = self.http.get("/metrics").text
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        r = self.http.get("/health")
+        return r.status_code, r.json()
+
+    def worker_pids(self) -> dict[str, int]:
+        return {role: w["pid"] for role, w in self.health()[1]["workers"].items()}
+
+    def pages_read_by(self, request_id: str) -> Iterator[dict[str, Any]]:
+        """Decode pages the request's attention read, with who last wrote each before it."""
+        yield from pages_read(self.trace()["decode"], request_id)
+
+
+def pages_read(events: list[dict[str, Any]], request_id: str) -> Iterator[dict[str, Any]]:
+    """From a role's trace: each page `request_id` read, and who had last written it when the
+    request started decoding (its own transfer counts as its own; its later decode writes do not
+    hide whose data filled the rest of the page)."""
+    writer: dict[int, tuple[str | None, str | None]] = {}
+    frozen: dict[int, tuple[str | None, str | None]] | None = None
+    seen: set[int] = set()
+    for e in events:
+        if e["kind"] == "write":
+            for p in e["pages"]:
+                writer[p] = (e["request"], e["tenant"])
+        elif e["kind"] == "state" and e["request"] == request_id and e["detail"].get("to") == "decoding":
+            frozen = dict(writer)
+        elif e["kind"] == "read" and e["request"] == request_id:
+            at_start = frozen if frozen is not None else writer
+            for i, p in enumerate(e["pages"]):
+                if p not in seen:
+                    seen.add(p)
+                    req, tenant = at_start.get(p, (None, None))
+                    yield {"page": p, "block": i, "last_writer": req, "last_writer_tenant": tenant}
+
+
+def _flags(cfg: ServeConfig) -> list[str]:
+    flags = [
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+        "--context-length",
+        str(cfg.context_length),
+        "--page-size",
+        str(cfg.page_size),
+        "--prefill-pool-tokens",
+        str(cfg.prefill_pool_tokens),
+        "--decode-pool-tokens",
+        str(cfg.decode_pool_tokens),
+        "--fixes",
+        str(cfg.fixes),
+        "--tenants",
+        ",".join(f"{n}:{k}" for n, k in cfg.tenants.items()),
+        "--device",
+        cfg.device,
+        "--attention",
+        cfg.attention,
+        "--max-batch",
+        str(cfg.max_batch),
+    ]
+    return flags
+
+
+__all__ = ["DEFAULT_TENANTS", "Engine", "EngineNotReady", "Reply", "pages_read"]

@@ -1,0 +1,114 @@
+"""The incident scenario, runnable against any engine handle: alice's secrets, bob's long prompt.
+
+1. alice sends a few prompts full of secret records, concurrently (her pages fill the decode pool);
+2. bob sends one prompt longer than the prefill pool but within the context length;
+3. the report says what bob's client saw (status, token count, text, TTFT), which of alice's
+   secrets his answer holds, and whose pages his decode read.
+
+Used by the tests, the labs and the benchmarks, with any numbers: the prompt lengths follow the
+engine's configuration unless given.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from minigrid_engine.handle import Reply, pages_read
+from minigrid_engine.records import record_prompt
+
+RECORD = re.compile(r"([A-Z]+) ([a-z]+) ([A-Z0-9]{6,10});")
+
+
+def record_codes(text: str, tenant: str | None = None) -> set[str]:
+    """Codes of complete records in `text` (of one tenant, if given)."""
+    return {c for name, _, c in RECORD.findall(text) if tenant is None or name == tenant.upper()}
+
+
+def longest_shared_run(text: str, source: str) -> int:
+    """Length of the longest substring of `text` that also occurs in `source`."""
+    best = 0
+    for i in range(len(text)):
+        lo = best + 1
+        while i + lo <= len(text) and text[i : i + lo] in source:
+            best = lo
+            lo += 1
+    return best
+
+
+class Handle(Protocol):
+    def complete(self, tenant: str, prompt: str, max_tokens: int = 16, **body: Any) -> Reply: ...
+
+    def trace(self, since: int = 0, tenant: str = "admin") -> dict[str, list[dict[str, Any]]]: ...
+
+
+@dataclass
+class LeakReport:
+    victim: str
+    attacker: str
+    victim_prompts: list[str]
+    victim_replies: list[Reply]
+    attacker_prompt: str
+    reply: Reply
+    leaked_codes: set[str]
+    longest_run: int  # longest run of the victim's prompt text in the answer
+    pages: list[dict[str, Any]] = field(default_factory=list)  # decode pages the answer read
+    baseline_ttft_s: float | None = None  # a real prefill of a victim prompt, alone
+
+    @property
+    def leaked(self) -> bool:
+        return bool(self.leaked_codes) or self.longest_run >= 24
+
+    def pages_by_tenant(self) -> dict[str | None, int]:
+        out: dict[str | None, int] = {}
+        for p in self.pages:
+            out[p["last_writer_tenant"]] = out.get(p["last_writer_tenant"], 0) + 1
+        return out
+
+    def summary(self) -> str:
+        r = self.reply
+        lines = [
+            f"{self.attacker}'s request: HTTP {r.status}, prompt_tokens={r.prompt_tokens}, "
+            f"ttft={r.ttft_s if r.ttft_s is None else round(r.ttft_s * 1000, 1)} ms",
+            f"answer: {r.text!r}" if r.ok else f"error: {r.error}",
+            f"{self.victim}'s secrets in the answer: {sorted(self.leaked_codes) or 'none'}",
+            f"pages read, by last writer: {self.pages_by_tenant()}",
+        ]
+        return "\n".join(lines)
+
+
+def run_incident(
+    engine: Handle,
+    *,
+    context_length: int,
+    prefill_pool_tokens: int,
+    victim: str = "alice",
+    attacker: str = "bob",
+    victim_prompts: int = 2,
+    victim_len: int | None = None,
+    attacker_len: int | None = None,
+    max_tokens: int = 48,
+    seed: int = 0,
+) -> LeakReport:
+    rng = random.Random(seed)
+    # Victim prompts fit the prefill pool; the attacker's does not, but fits the context.
+    vlen = victim_len or max(32, int(prefill_pool_tokens * 0.9) - max_tokens)
+    alen = attacker_len or (context_length - max_tokens)
+    vprompts = [record_prompt(victim, vlen, rng, rng.randint(6, 10)) for _ in range(victim_prompts)]
+    baseline = engine.complete(victim, vprompts[0], max_tokens=4)  # alone: a real prefill's TTFT
+    with ThreadPoolExecutor(len(vprompts)) as pool:
+        vreplies = list(pool.map(lambda p: engine.complete(victim, p, max_tokens=max_tokens), vprompts))
+    aprompt = record_prompt(attacker, alen, rng, 10)
+    reply = engine.complete(attacker, aprompt, max_tokens=max_tokens)
+    secrets = set().union(*(record_codes(p, victim) for p in vprompts))
+    leaked = record_codes(reply.text) & secrets if reply.ok else set()
+    run = max((longest_shared_run(reply.text, p) for p in vprompts), default=0) if reply.ok else 0
+    pages: list[dict[str, Any]] = []
+    if reply.request_id is not None:
+        pages = list(pages_read(engine.trace()["decode"], reply.request_id))
+    return LeakReport(
+        victim, attacker, vprompts, vreplies, aprompt, reply, leaked, run, pages, baseline.ttft_s
+    )

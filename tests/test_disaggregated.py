@@ -1,0 +1,224 @@
+"""The disaggregated engine as real processes: the incident's leak, reproduced as readable text."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from minigrid_engine.config import MODEL_ID, incident_preset
+from minigrid_engine.handle import Engine
+from minigrid_engine.records import record_prompt
+from minigrid_engine.scenario import record_codes, run_incident
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def incident():
+    eng = Engine.start(incident_preset(tenants={"alice": "sk-alice", "bob": "sk-bob", "carol": "sk-carol"}))
+    yield eng
+    eng.stop()
+
+
+def test_startup_logs_each_pool_in_tokens_and_pages(incident: Engine) -> None:
+    log = incident.log()
+    assert "prefill KV pool: 665 tokens in 6 pages of 128 tokens" in log
+    assert "decode KV pool: 4096 tokens in 32 pages of 128 tokens" in log
+    m = incident.metrics()
+    assert m['minigrid_kv_pool_capacity_tokens{role="prefill"}'] == 665
+    assert m['minigrid_kv_pool_capacity_tokens{role="decode"}'] == 4096
+    assert m["minigrid_context_length_tokens"] == 1024
+    for name in ("minigrid_kv_checksum_mismatches_total", "minigrid_owner_check_violations_total"):
+        assert name in m
+
+
+def test_the_incident_bob_reads_alices_pages(incident: Engine) -> None:
+    rep = run_incident(
+        incident, context_length=1024, prefill_pool_tokens=665, attacker_len=1000, max_tokens=24, seed=1
+    )
+    r = rep.reply
+    assert r.status == 200, r.error  # 200 instead of 400
+    assert r.prompt_tokens == 1000  # an exact prompt-token count
+    assert rep.leaked_codes, f"bob's answer {r.text!r} holds none of alice's secrets"
+    assert rep.longest_run >= 12, f"bob's answer {r.text!r} shares no long run with alice's prompts"
+    assert rep.pages_by_tenant() == {"alice": 7, "bob": 1}, rep.pages
+    assert rep.pages[0]["last_writer_tenant"] == "bob"  # the one page prefill wrote: the stub
+    assert r.ttft_s is not None and rep.baseline_ttft_s is not None
+    assert r.ttft_s < rep.baseline_ttft_s, "bob's 1000 tokens came back faster than alice's shorter prefill"
+    m = incident.metrics()
+    assert m["minigrid_prefill_stubbed_requests_total"] >= 1
+    assert m['minigrid_kv_pages_in_use{role="decode"}'] == 0
+    assert m['minigrid_kv_pages_in_use{role="prefill"}'] == 0
+
+
+def test_prompts_that_fit_answer_from_their_own_context_in_one_batch(incident: Engine) -> None:
+    rng = random.Random(9)
+    prompts = {
+        t: record_prompt(t, rng.randint(200, 500), rng, rng.randint(3, 7)) for t in ("alice", "bob", "carol")
+    }
+    since = incident.trace()["decode"][-1]["seq"] + 1
+    with ThreadPoolExecutor(3) as pool:
+        replies = dict(
+            zip(prompts, pool.map(lambda t: incident.complete(t, prompts[t], max_tokens=40), prompts))
+        )
+    for tenant, reply in replies.items():
+        assert reply.status == 200 and reply.prompt_tokens == len(prompts[tenant])
+        own = record_codes(prompts[tenant], tenant)
+        found = record_codes(reply.text)
+        assert found, f"{tenant}'s answer {reply.text!r} copied no record"
+        assert found <= own, f"{tenant}'s answer {reply.text!r} holds codes not in its prompt"
+    reads = [e for e in incident.trace(since=since)["decode"] if e["kind"] == "read"]
+    assert max(e["detail"]["batch_size"] for e in reads) >= 2, "the tenants never shared a decode batch"
+
+
+def test_tenants_see_only_their_own_trace(incident: Engine) -> None:
+    incident.complete("carol", "CAROL pin 123456; " * 4, max_tokens=4)
+    events = incident.trace(tenant="carol")
+    assert events["decode"] and {e["tenant"] for role in events.values() for e in role} == {"carol"}
+    r = httpx.get(f"{incident.url}/v1/minigrid/pools", headers={"Authorization": "Bearer sk-carol"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "code"),
+    [({}, 401, "invalid_api_key"), ({"Authorization": "Bearer sk-nobody"}, 401, "invalid_api_key")],
+)
+def test_missing_or_unknown_key_is_401(
+    incident: Engine, headers: dict[str, str], status: int, code: str
+) -> None:
+    r = httpx.post(f"{incident.url}/v1/completions", json={"prompt": "hi"}, headers=headers)
+    assert r.status_code == status and r.json()["error"]["code"] == code
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"max_tokens": 4}, "prompt", "missing_required_parameter"),
+        ({"prompt": ""}, "prompt", "invalid_prompt"),
+        ({"prompt": 5}, "prompt", "invalid_type"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"prompt": "x", "max_tokens": "3"}, "max_tokens", "invalid_type"),
+        ({"prompt": "x", "temperature": 9}, "temperature", "invalid_value"),
+        ({"prompt": "x" * 1020, "max_tokens": 16}, "prompt", "context_length_exceeded"),
+    ],
+)
+def test_bad_bodies_get_openai_style_400(incident: Engine, body: dict, param: str, code: str) -> None:
+    r = httpx.post(f"{incident.url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-alice"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["param"] == param and err["type"] == "invalid_request_error"
+
+
+def test_official_openai_client_works_unchanged(incident: Engine) -> None:
+    client = openai.OpenAI(base_url=f"{incident.url}/v1", api_key="sk-alice", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL_ID]
+    prompt = "ALICE card QZ7K2M9P; ALICE pin 48213X; " * 5
+    done = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=20)
+    assert done.usage.prompt_tokens == len(prompt) and done.usage.completion_tokens == 20
+    assert "ALICE" in done.choices[0].text
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL_ID, prompt="x" * 2000, max_tokens=5)
+    assert exc.value.code == "context_length_exceeded"
+    bad = openai.OpenAI(base_url=f"{incident.url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL_ID, prompt="hi", max_tokens=2)
+
+
+def test_other_numbers_leak_the_same_way() -> None:
+    """Context 640, pages of 64, prefill pool 400, decode pool 2048: not tuned to one configuration."""
+    cfg = incident_preset(context_length=640, page_size=64, prefill_pool_tokens=400, decode_pool_tokens=2048)
+    with Engine.start(cfg) as eng:
+        assert "prefill KV pool: 400 tokens in 7 pages of 64 tokens" in eng.log()
+        rep = run_incident(
+            eng,
+            context_length=640,
+            prefill_pool_tokens=400,
+            attacker_len=600,
+            max_tokens=24,
+            victim_prompts=3,
+            seed=2,
+        )
+        assert rep.reply.status == 200 and rep.reply.prompt_tokens == 600
+        assert rep.leaked_codes, rep.summary()
+        by = rep.pages_by_tenant()
+        assert by.get("bob") == 1 and by.get("alice") == 9, rep.pages  # 10 pages of 64 for 624 tokens
+
+
+def test_dead_worker_is_reported_not_hung() -> None:
+    with Engine.start(incident_preset()) as eng:
+        pids = eng.worker_pids()
+        os.kill(pids["decode"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while eng.health()[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status, body = eng.health()
+        assert status == 503 and not body["workers"]["decode"]["up"]
+        assert "decode worker died" in body["workers"]["decode"]["error"]
+        t0 = time.monotonic()
+        r = eng.complete("alice", "ALICE pin 1; " * 3, max_tokens=3)
+        assert r.status == 503 and "decode worker died" in r.error["message"]
+        assert time.monotonic() - t0 < 5
+
+
+def test_sigterm_stops_all_three_processes() -> None:
+    eng = Engine.start(incident_preset())
+    pids = [*eng.worker_pids().values()]
+    assert eng.proc is not None
+    eng.stop()
+    assert eng.proc.returncode == 0
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), "a worker outlived the router"
+
+
+def test_router_killed_outright_leaves_no_orphans() -> None:
+    eng = Engine.start(incident_preset())
+    pids = [*eng.worker_pids().values()]
+    assert eng.proc is not None
+    eng.proc.kill()
+    eng.proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), "workers outlived a SIGKILLed router"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prefill-pool-tokens", "10"], "--prefill-pool-tokens 10 is smaller than one page of 128 tokens"),
+        (["--fixes", "bogus"], "unknown fix 'bogus': choose none, all, or"),
+        (["--tenants", "alice"], "tenant 'alice' must be NAME:KEY"),
+        (["--port", "70000"], "--port 70000 is not a TCP port"),
+        (["--context-length", "lots"], "'lots' is not a whole number"),
+    ],
+)
+def test_serve_refuses_impossible_settings(args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "minigrid_engine.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
