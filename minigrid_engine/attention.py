@@ -69,6 +69,21 @@ def paged_decode_attention(
     return out[:, :, 0, :]
 
 
+def foreign_pages(
+    page_tags: torch.Tensor,
+    reader_tags: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+) -> torch.Tensor:
+    """The `owner-check` at the memory read: [B, max_blocks] True where a page about to be read
+    was last written by someone other than the reader. Padding blocks are never flagged."""
+    tags = page_tags[block_tables]  # read beside the K/V, through the same block table
+    n_blocks = (seq_lens + page_size - 1) // page_size
+    valid = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < n_blocks[:, None]
+    return (tags != reader_tags[:, None]) & valid
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

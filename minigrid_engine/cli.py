@@ -146,6 +146,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(cfg, args.ready_file)
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from minigrid_engine.audit import audit
+
+    report = audit(args.url, args.timeout)
+    print(report.to_json() if args.json else report.text())
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minigrid", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -181,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=positive_int)
     s.add_argument("--ready-file", type=Path, help="write the server's URL here once it serves")
     s.set_defaults(func=cmd_serve)
+
+    au = sub.add_parser(
+        "audit", help="check from a running engine's /metrics that its pools cover the context"
+    )
+    au.add_argument("--url", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
+    au.add_argument("--json", action="store_true")
+    au.add_argument("--timeout", type=float, default=10.0)
+    au.set_defaults(func=cmd_audit)
 
     q = sub.add_parser("pool", help="show the size of a KV pool: tokens, pages, bytes")
     _add_pool_flags(q)

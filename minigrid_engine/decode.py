@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,7 +34,9 @@ from minigrid_engine.pool import KVPool
 from minigrid_engine.request import Outcome, Request, State
 from minigrid_engine.runner import DecodeItem, ModelRunner, sample
 from minigrid_engine.trace import WRITE
-from minigrid_engine.transfer import store_pages
+from minigrid_engine.transfer import page_checksums, store_pages
+
+log = logging.getLogger("minigrid.decode")
 
 
 class DecodeScheduler:
@@ -49,7 +52,7 @@ class DecodeScheduler:
         self.fixes = cfg.fixes
         self.pool = pool
         self.trace = pool.trace
-        self.runner = ModelRunner(model, pool)
+        self.runner = ModelRunner(model, pool, owner_check=cfg.fixes.owner_check)
         self.send_router = send_router
         self.send_prefill = send_prefill
         self.bootstrapping: dict[int, Request] = {}
@@ -58,7 +61,13 @@ class DecodeScheduler:
         self.running: list[Request] = []
         self._early: set[int] = set()  # Bootstrapped that arrived before the request
         self._generators: dict[int, torch.Generator] = {}
-        self.counters = {"decoded_tokens": 0, "completed": 0, "aborted": 0}
+        self.counters = {
+            "decoded_tokens": 0,
+            "completed": 0,
+            "aborted": 0,
+            "checksum_mismatches": 0,
+            "owner_check_violations": 0,
+        }
 
     # -- messages ------------------------------------------------------------------------
     def on_generate(self, msg: GenerateRequest) -> None:
@@ -102,12 +111,41 @@ class DecodeScheduler:
         if not msg.success or msg.first_token is None:
             self._abort(req, f"prefill reported a failed transfer: {msg.error or 'no reason given'}")
             return
-        # Bug-compatible commit: the room matched, so all reserved pages are taken as written.
+        # Fix `coverage-check` (SGLang #38704): compare the KV prefill says it wrote with what this
+        # role preallocated and is about to attend over.
+        if self.fixes.coverage_check and msg.written_tokens != req.prompt_len:
+            self._abort(
+                req,
+                f"KV coverage mismatch for {req.request_id}: prefill wrote {msg.written_tokens} tokens "
+                f"of KV, decode preallocated {req.prompt_len}",
+                "kv_coverage_mismatch",
+            )
+            return
+        if self.fixes.kv_checksum:
+            # Fix `kv-checksum` (SGLang #39500): verify every reserved prompt page before decoding.
+            bad = self._bad_pages(req, msg.checksums)
+            if bad:
+                self.counters["checksum_mismatches"] += len(bad)
+                self._abort(
+                    req,
+                    f"KV checksum mismatch for {req.request_id}: {len(bad)} of "
+                    f"{self.pool.pages_for(req.prompt_len)} prompt pages missing or wrong "
+                    f"(decode pages {bad})",
+                    "kv_checksum_mismatch",
+                )
+                return
+        # The faulty engine's commit: the room matched, so every reserved page is taken as written.
         req.output_ids.append(msg.first_token)
         req.first_token_at = time.time()
         req.advance(State.DECODING, self.trace, role="decode", kv_len=req.prompt_len)
         self.running.append(req)
         self._retire()
+
+    def _bad_pages(self, req: Request, checksums: list[int] | None) -> list[int]:
+        pages = self.pool.reservation(req.request_id).pages[: self.pool.pages_for(req.prompt_len)]
+        got = page_checksums(self.pool, pages)
+        sent = checksums or []
+        return [p for i, p in enumerate(pages) if i >= len(sent) or sent[i] != got[i]]
 
     def on_abort(self, msg: Abort) -> None:
         req = self.bootstrapping.pop(msg.room, None) or self.transfer.pop(msg.room, None)
@@ -160,7 +198,20 @@ class DecodeScheduler:
             for r in batch
         ]
         logits = self.runner.decode(items)
+        for r in [r for r in batch if r.request_id in self.runner.violations]:
+            # Fix `owner-check`: the attention read found pages this request never wrote.
+            pages = self.runner.violations[r.request_id]
+            self.counters["owner_check_violations"] += len(pages)
+            self.running.remove(r)
+            self._abort(
+                r,
+                f"owner check: {r.request_id} was about to read decode pages {pages}, last written by "
+                f"other requests",
+                "owner_check_violation",
+            )
         for r, row in zip(batch, logits):
+            if r.finished():
+                continue
             r.output_ids.append(sample(row, r.temperature, self._generator(r)))
         self.counters["decoded_tokens"] += len(batch)
         self._retire()

@@ -23,7 +23,16 @@ FIXES: dict[str, str] = {
 }
 
 # Fixes this build implements; asking for another is an error, never a silent no-op.
-BUILT: frozenset[str] = frozenset()
+BUILT: frozenset[str] = frozenset(
+    {
+        "capacity-check",
+        "reject-before-transfer",
+        "coverage-check",
+        "kv-checksum",
+        "scrub-on-free",
+        "owner-check",
+    }
+)
 
 
 @dataclass(frozen=True)

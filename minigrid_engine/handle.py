@@ -229,6 +229,9 @@ def pages_read(events: list[dict[str, Any]], request_id: str) -> Iterator[dict[s
         if e["kind"] == "write":
             for p in e["pages"]:
                 writer[p] = (e["request"], e["tenant"])
+        elif e["kind"] == "scrub":  # zeroed: written by nobody
+            for p in e["pages"]:
+                writer[p] = (None, None)
         elif e["kind"] == "state" and e["request"] == request_id and e["detail"].get("to") == "decoding":
             frozen = dict(writer)
         elif e["kind"] == "read" and e["request"] == request_id:

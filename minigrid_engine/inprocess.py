@@ -35,10 +35,18 @@ class InProcessCluster:
         self.tokenizer = ByteTokenizer()
         mc = self.model.cfg
         self.prefill_pool = KVPool(
-            PoolConfig(cfg.prefill_pool_tokens, cfg.page_size), mc, "prefill", Trace("prefill")
+            PoolConfig(cfg.prefill_pool_tokens, cfg.page_size),
+            mc,
+            "prefill",
+            Trace("prefill"),
+            scrub_on_free=cfg.fixes.scrub_on_free,
         )
         self.decode_pool = KVPool(
-            PoolConfig(cfg.decode_pool_tokens, cfg.page_size), mc, "decode", Trace("decode")
+            PoolConfig(cfg.decode_pool_tokens, cfg.page_size),
+            mc,
+            "decode",
+            Trace("decode"),
+            scrub_on_free=cfg.fixes.scrub_on_free,
         )
         self.to_prefill: deque[object] = deque()
         self.to_decode: deque[object] = deque()

@@ -108,8 +108,10 @@ class KVPool:
         trace: Trace | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        scrub_on_free: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.scrub_on_free = scrub_on_free
         self.model_cfg = model
         self.role = role
         self.trace = trace if trace is not None else Trace(role)
@@ -120,6 +122,11 @@ class KVPool:
         self.k.zero_()  # deterministic start (tests); freed pages are never zeroed afterwards
         self.v.zero_()
         self.pages = [PageInfo() for _ in range(cfg.n_pages)]
+        # Last writer of each page as a number, beside the K/V, so that attention itself can check
+        # it (the `owner-check` fix). 0 = never written or scrubbed.
+        self.writer_tags = torch.zeros(cfg.n_pages, dtype=torch.int64, device=device)
+        self._tags: dict[str, int] = {}
+        self._next_tag = 0
         self._free: list[int] = list(range(cfg.n_pages - 1, -1, -1))  # top of stack = end
         self._held: dict[str, Reservation] = {}
         self._tokens_reserved = 0
@@ -227,7 +234,29 @@ class KVPool:
             self._free.append(p)
         self._tokens_reserved -= res.tokens
         self.trace.emit(RELEASE, request, res.tenant, res.pages, tokens=res.tokens)
+        if self.scrub_on_free:  # fix `scrub-on-free`: the cost the industry avoids
+            self.scrub(res.pages)
+        self._tags.pop(request, None)
         return res.pages
+
+    def scrub(self, pages: list[int]) -> None:
+        """Zero the K/V of `pages` and forget who wrote them."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.k.device)
+        self.k.index_fill_(1, index, 0.0)
+        self.v.index_fill_(1, index, 0.0)
+        self.writer_tags.index_fill_(0, index, 0)
+        for p in pages:
+            info = self.pages[p]
+            info.last_writer = info.last_writer_tenant = info.written_at = None
+        self.trace.emit("scrub", None, None, pages)
+
+    def tag_of(self, request: str) -> int:
+        """A request's number in `writer_tags` (stable while it lives)."""
+        tag = self._tags.get(request)
+        if tag is None:  # never reused: a page may still carry a dead request's tag
+            self._next_tag += 1
+            tag = self._tags[request] = self._next_tag
+        return tag
 
     def release_pages(self, request: str, pages: list[int]) -> None:
         """Release some pages of `request` (e.g. a trailing page it no longer needs)."""
@@ -277,9 +306,13 @@ class KVPool:
     def note_write(self, request: str, tenant: str, pages: list[int]) -> None:
         """Record in the owner table that `request` wrote K/V into `pages`."""
         now = time.time()
+        tag = self.tag_of(request)
         for p in pages:
             info = self.pages[p]
             info.last_writer, info.last_writer_tenant, info.written_at = request, tenant, now
+        if pages:
+            index = torch.tensor(pages, dtype=torch.long, device=self.writer_tags.device)
+            self.writer_tags.index_fill_(0, index, tag)
 
     def check_integrity(self) -> None:
         """free + owned = total; no page free and owned, or held twice; token budget respected."""

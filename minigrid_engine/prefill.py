@@ -36,6 +36,7 @@ from minigrid_engine.model import Transformer
 from minigrid_engine.pool import KVPool
 from minigrid_engine.request import Outcome, Request, State
 from minigrid_engine.runner import ModelRunner, sample
+from minigrid_engine.transfer import page_checksums
 
 STUB_TOKEN = 0  # SGLang's placeholder input ids: [0]
 
@@ -72,7 +73,7 @@ class PrefillScheduler:
         self.decode_pages: dict[int, KVBootstrap] = {}
         self.transfers: deque[TransferJob] = deque()  # drained by the worker's sender
         self.sending: dict[int, Request] = {}
-        self.counters = {"prefilled": 0, "stubbed": 0, "transfers": 0, "aborted": 0}
+        self.counters = {"prefilled": 0, "stubbed": 0, "rejected": 0, "transfers": 0, "aborted": 0}
 
     # -- messages ------------------------------------------------------------------------
     def on_generate(self, msg: GenerateRequest) -> None:
@@ -113,9 +114,26 @@ class PrefillScheduler:
     def _gone(self, req: Request) -> bool:
         """Should a queue drop `req`? The heart of the bug."""
         if self.fixes.reject_before_transfer:
-            raise NotImplementedError("reject-before-transfer is built by the fixes issue")
+            # Fix `reject-before-transfer` (SGLang #38704, #36988, #38935): a rejected request
+            # leaves the queue here, before any page is reserved or any byte transferred.
+            if req.rejected() and not req.finished():
+                self._reject(req)
+            return req.finished()
         # Bug-compatible: like SGLang's queues, ask only `finished()`, blind to a pending 400.
         return req.finished()
+
+    def _reject(self, req: Request) -> None:
+        n = req.stubbed_from or req.prompt_len
+        message = (
+            f"This prompt of {n} tokens does not fit the prefill KV pool of {self.pool.capacity_tokens} "
+            f"tokens (context length {self.cfg.context_length} tokens); it was rejected before any "
+            f"KV page was reserved."
+        )
+        req.finish(Outcome.REJECTED, self.trace, message)
+        self.counters["rejected"] += 1
+        abort = Abort(req.room or 0, message, 400, "context_length_exceeded", "prefill")
+        self.send_decode(abort)
+        self.send_router(abort)
 
     # -- scheduling ----------------------------------------------------------------------
     def step(self) -> bool:
@@ -189,8 +207,13 @@ class PrefillScheduler:
                 continue
             src = self.pool.reservation(req.request_id).pages
             dst = boot.decode_pages[: len(src)]
-            # Bug-compatible done message: room and status only; no length, no digest.
-            done = TransferDone(room, success=True, first_token=first)
+            # The faulty engine's done message: room and status only; no length, no digest.
+            written = checksums = None
+            if self.fixes.coverage_check:  # fix `coverage-check`: the logical KV coverage (#38704)
+                written = req.prompt_len
+            if self.fixes.kv_checksum:  # fix `kv-checksum`: one digest per page sent (#39500)
+                checksums = page_checksums(self.pool, src)
+            done = TransferDone(room, True, first, written_tokens=written, checksums=checksums)
             self.transfers.append(TransferJob(room, src, TransferBegin(room, dst), done))
             self.sending[room] = req
             self.counters["transfers"] += 1

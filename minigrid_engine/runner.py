@@ -44,12 +44,25 @@ class _PagedPrefill:
 class _PagedDecode:
     """Attention backend for a batch of single-token decode steps."""
 
-    def __init__(self, pool: KVPool, block_tables: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor):
+    def __init__(
+        self,
+        pool: KVPool,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slots: torch.Tensor,
+        reader_tags: torch.Tensor | None = None,
+    ):
         self.pool, self.block_tables, self.seq_lens, self.slots = pool, block_tables, seq_lens, slots
+        self.reader_tags = reader_tags
+        self.foreign: torch.Tensor | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.pool.k[layer], self.pool.v[layer]
         attention.write_kv(kc, vc, self.slots, k[:, 0], v[:, 0])
+        if self.reader_tags is not None and self.foreign is None:  # fix `owner-check`
+            self.foreign = attention.foreign_pages(
+                self.pool.writer_tags, self.reader_tags, self.block_tables, self.seq_lens, self.pool.page_size
+            )
         out = attention.paged_decode_attention(q[:, 0], kc, vc, self.block_tables, self.seq_lens)
         return out[:, None]
 
@@ -57,10 +70,13 @@ class _PagedDecode:
 class ModelRunner:
     """Prefill and batched decode of `model` over the pages of `pool`."""
 
-    def __init__(self, model: Transformer, pool: KVPool) -> None:
+    def __init__(self, model: Transformer, pool: KVPool, owner_check: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.k.device
+        self.owner_check = owner_check
+        # After each decode(): request -> pages it was about to read that someone else wrote last.
+        self.violations: dict[str, list[int]] = {}
 
     def _pages_covering(self, pages: list[int], start: int, end: int) -> list[int]:
         p = self.pool.page_size
@@ -109,8 +125,20 @@ class ModelRunner:
         rows = torch.arange(len(items), device=self.device)
         slots = table[rows, positions // p] * p + positions % p
         tokens = torch.tensor([[it.token] for it in items], dtype=torch.long, device=self.device)
-        backend = _PagedDecode(self.pool, table, positions + 1, slots)
+        reader_tags = None
+        if self.owner_check:
+            for it in items:  # a page the reader starts this step is its own from its first slot
+                if it.position % p == 0:
+                    self.pool.note_write(it.request, it.tenant, [it.pages[it.position // p]])
+            reader_tags = torch.tensor([self.pool.tag_of(it.request) for it in items], device=self.device)
+        backend = _PagedDecode(self.pool, table, positions + 1, slots, reader_tags)
         logits = self.model(tokens, positions[:, None], backend)
+        self.violations = {}
+        if backend.foreign is not None:
+            for row, it in enumerate(items):
+                bad = table[row][backend.foreign[row]].tolist()
+                if bad:
+                    self.violations[it.request] = bad
         trace = self.pool.trace
         for it in items:
             page = it.pages[it.position // p]

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from minigrid_engine.canary import longest_shared_run
 from minigrid_engine.handle import Reply, pages_read
 from minigrid_engine.records import record_prompt
 
@@ -26,17 +27,6 @@ RECORD = re.compile(r"([A-Z]+) ([a-z]+) ([A-Z0-9]{6,10});")
 def record_codes(text: str, tenant: str | None = None) -> set[str]:
     """Codes of complete records in `text` (of one tenant, if given)."""
     return {c for name, _, c in RECORD.findall(text) if tenant is None or name == tenant.upper()}
-
-
-def longest_shared_run(text: str, source: str) -> int:
-    """Length of the longest substring of `text` that also occurs in `source`."""
-    best = 0
-    for i in range(len(text)):
-        lo = best + 1
-        while i + lo <= len(text) and text[i : i + lo] in source:
-            best = lo
-            lo += 1
-    return best
 
 
 class Handle(Protocol):

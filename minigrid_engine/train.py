@@ -57,13 +57,14 @@ NAMES = [
     "UMBRELLA",
     "HOOLI",
 ]
+MAX_GAP = 1024
 MAX_BLOCK = 900  # bytes: repeats up to this far apart teach copying across a 1,024-token context
 PRINTABLE = string.ascii_letters + string.digits + string.punctuation + " " * 8
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 2200
+    steps: int = 3000
     short_steps: int = 700
     batch: int = 12
     seq_len: int = 1024
@@ -134,8 +135,17 @@ def sample_batch(
     rng: random.Random, cfg: TrainConfig, seq_len: int, max_block: int = MAX_BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor]:
     seqs = torch.tensor([sample_sequence(rng, seq_len, max_block) for _ in range(cfg.batch)])
-    offsets = torch.tensor([rng.randint(0, cfg.max_position - seq_len) for _ in range(cfg.batch)])
-    positions = offsets[:, None] + torch.arange(seq_len)[None, :]
+    positions = torch.empty(cfg.batch, seq_len, dtype=torch.long)
+    for row in range(cfg.batch):
+        # A gap in the positions, half the time: the tokens after `cut` sit `gap` positions further
+        # on. Decode meets this when it continues at its own prompt length over stale pages whose
+        # keys were rotated at another request's (shorter) positions.
+        gap = rng.randint(1, MAX_GAP) if rng.random() < 0.5 else 0
+        cut = rng.randint(1, seq_len - 1)
+        start = rng.randint(0, cfg.max_position - seq_len - gap)
+        pos = start + torch.arange(seq_len)
+        pos[cut:] += gap
+        positions[row] = pos
     return seqs, positions
 
 

@@ -11,6 +11,7 @@ request: that is for the fixes.
 
 from __future__ import annotations
 
+import zlib
 from datetime import timedelta
 from typing import Protocol
 
@@ -31,6 +32,12 @@ def store_pages(pool: KVPool, pages: list[int], data: torch.Tensor) -> None:
     index = torch.tensor(pages, dtype=torch.long, device=pool.k.device)
     pool.k.index_copy_(1, index, data[0])
     pool.v.index_copy_(1, index, data[1])
+
+
+def page_checksums(pool: KVPool, pages: list[int]) -> list[int]:
+    """Adler-32 of each page's K and V bytes, every layer (what `kv-checksum` compares)."""
+    data = page_data(pool, pages).cpu()  # [2, L, n, ...]
+    return [zlib.adler32(data[:, :, i].contiguous().numpy().tobytes()) for i in range(len(pages))]
 
 
 class Transport(Protocol):

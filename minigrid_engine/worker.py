@@ -86,7 +86,12 @@ class Worker:
         model = load_model(cfg.weights, device=cfg.device)
         tokens = cfg.prefill_pool_tokens if role == "prefill" else cfg.decode_pool_tokens
         self.pool = KVPool(
-            PoolConfig(tokens, cfg.page_size), model.cfg, role, Trace(role, cfg.trace_maxlen), cfg.device
+            PoolConfig(tokens, cfg.page_size),
+            model.cfg,
+            role,
+            Trace(role, cfg.trace_maxlen),
+            cfg.device,
+            scrub_on_free=cfg.fixes.scrub_on_free,
         )
         self.scheduler: PrefillScheduler | DecodeScheduler
         if role == "prefill":
@@ -220,6 +225,18 @@ def main(argv: list[str] | None = None) -> int:
     authkey = bytes.fromhex(os.environ["MINIGRID_AUTHKEY"])
     cfg = ServeConfig.from_json(a.config)
     torch.set_num_threads(max(1, cfg.worker_threads))
+    if cfg.fixes.capacity_check:
+        # Fix `capacity-check`: the deployment check, made by the role from its own pool.
+        tokens = cfg.prefill_pool_tokens if a.role == "prefill" else cfg.decode_pool_tokens
+        if tokens < cfg.context_length:
+            print(
+                f"capacity-check: the {a.role} KV pool holds {tokens} tokens, fewer than the context "
+                f"length of {cfg.context_length} tokens: a valid prompt would not fit. Raise "
+                f"--{a.role}-pool-tokens to at least {cfg.context_length} or lower --context-length.",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 3
     router = _connect(_addr(a.router), authkey)
     peer_addr = (cfg.transfer_host, a.peer_port)
     if a.role == "prefill":

@@ -1,0 +1,125 @@
+"""The canary harness: the test that would have caught the incident.
+
+Cloudflare's launch tests checked status codes and latency. These check content:
+
+- every prompt a tenant sends carries **canaries**, unique random markers registered to that
+  tenant; a response holding another tenant's canary, or a long run of another tenant's prompt
+  text, is a leak;
+- a **TTFT floor**: an answer whose first token arrives faster than a real prefill of its prompt
+  length allows was not computed from its prompt (the incident's one visible symptom).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+
+from minigrid_engine.records import FIELDS, random_code
+
+MARKER = re.compile(r"\b[A-Z0-9]{6,12}\b")
+
+
+def longest_shared_run(text: str, source: str) -> int:
+    """Length of the longest substring of `text` that also occurs in `source`."""
+    best = 0
+    for i in range(len(text)):
+        n = best + 1
+        while i + n <= len(text) and text[i : i + n] in source:
+            best = n
+            n += 1
+    return best
+
+
+@dataclass
+class Finding:
+    """What the harness found in one response."""
+
+    tenant: str
+    foreign_canaries: dict[str, set[str]] = field(default_factory=dict)  # owner -> markers
+    longest_foreign_run: int = 0
+    longest_foreign_run_owner: str | None = None
+    too_fast: bool = False
+
+    @property
+    def leak(self) -> bool:
+        return bool(self.foreign_canaries)
+
+    def explain(self) -> str:
+        if not self.leak and not self.too_fast:
+            return f"{self.tenant}: clean (longest run of another tenant's text: {self.longest_foreign_run})"
+        parts = [f"{owner}'s canaries {sorted(m)}" for owner, m in self.foreign_canaries.items()]
+        if self.too_fast:
+            parts.append("first token faster than a real prefill of this prompt allows")
+        return f"{self.tenant}: LEAK: " + "; ".join(parts)
+
+
+class CanaryHarness:
+    """Registers each tenant's canaries and prompts; checks responses against everyone else's."""
+
+    def __init__(self, seed: int = 0, run_threshold: int = 24) -> None:
+        self.rng = random.Random(seed)
+        self.canaries: dict[str, set[str]] = {}
+        self.prompts: dict[str, list[str]] = {}
+        self.run_threshold = run_threshold
+
+    def canary(self, tenant: str) -> str:
+        marker = random_code(self.rng, 10)
+        self.canaries.setdefault(tenant, set()).add(marker)
+        return marker
+
+    def prompt(self, tenant: str, n_tokens: int, n_records: int = 8) -> str:
+        """A prompt of exactly `n_tokens` bytes of `tenant`'s records, every code a canary."""
+        name = tenant.upper()
+        block = "".join(
+            f"{name} {self.rng.choice(FIELDS)} {self.canary(tenant)}; " for _ in range(n_records)
+        )
+        text = (block * (n_tokens // len(block) + 1))[:n_tokens]
+        return self.register(tenant, text)
+
+    def register(self, tenant: str, prompt: str) -> str:
+        """Remember a prompt `tenant` sent (its text is then guarded too)."""
+        self.prompts.setdefault(tenant, []).append(prompt)
+        return prompt
+
+    def check(self, tenant: str, text: str) -> Finding:
+        found = set(MARKER.findall(text))
+        finding = Finding(tenant)
+        for owner, markers in self.canaries.items():
+            if owner != tenant and found & markers:
+                finding.foreign_canaries[owner] = found & markers
+        for owner, prompts in self.prompts.items():
+            if owner == tenant:
+                continue
+            for p in prompts:
+                n = longest_shared_run(text, p)
+                if n > finding.longest_foreign_run:
+                    finding.longest_foreign_run, finding.longest_foreign_run_owner = n, owner
+        if finding.longest_foreign_run >= self.run_threshold and finding.longest_foreign_run_owner:
+            finding.foreign_canaries.setdefault(finding.longest_foreign_run_owner, set())
+        return finding
+
+
+@dataclass
+class TTFTFloor:
+    """Flags a first token that came faster than a real prefill of its prompt length allows.
+
+    Fed with (prompt tokens, TTFT) of prompts known to be really prefilled, it keeps the fastest
+    prefill rate seen; a response whose TTFT is below `prompt_tokens / fastest rate * margin` could
+    not have been computed from its whole prompt.
+    """
+
+    margin: float = 0.5
+    fastest_tokens_per_s: float = 0.0
+
+    def observe(self, prompt_tokens: int, ttft_s: float) -> None:
+        if ttft_s > 0:
+            self.fastest_tokens_per_s = max(self.fastest_tokens_per_s, prompt_tokens / ttft_s)
+
+    def floor_s(self, prompt_tokens: int) -> float:
+        if self.fastest_tokens_per_s <= 0:
+            return 0.0
+        return self.margin * prompt_tokens / self.fastest_tokens_per_s
+
+    def too_fast(self, prompt_tokens: int, ttft_s: float | None) -> bool:
+        return ttft_s is not None and ttft_s < self.floor_s(prompt_tokens)

@@ -1,0 +1,154 @@
+"""Each fix alone, on the incident scenario and on one with other numbers: what the client sees."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from minigrid_engine.config import incident_preset
+from minigrid_engine.errors import ConfigError
+from minigrid_engine.fixes import FIXES, parse_fixes
+from minigrid_engine.handle import Engine
+from minigrid_engine.scenario import LeakReport, record_codes, run_incident
+
+
+@dataclass(frozen=True)
+class Numbers:
+    context: int
+    page: int
+    prefill_pool: int
+    decode_pool: int
+    attacker_len: int
+    victim_prompts: int
+
+
+INCIDENT = Numbers(1024, 128, 665, 4096, 1000, 2)
+OTHER = Numbers(640, 64, 400, 2048, 600, 3)
+
+
+def scenario(fixes: str, n: Numbers, **changes: object) -> tuple[LeakReport, dict[str, float], str]:
+    cfg = incident_preset(
+        context_length=n.context, page_size=n.page, prefill_pool_tokens=n.prefill_pool,
+        decode_pool_tokens=n.decode_pool, **changes,
+    )
+    with Engine.start(cfg, fixes=fixes) as eng:
+        rep = run_incident(eng, context_length=n.context, prefill_pool_tokens=changes.get(
+            "prefill_pool_tokens", n.prefill_pool), attacker_len=n.attacker_len, max_tokens=24,
+            victim_prompts=n.victim_prompts, seed=3)
+        return rep, eng.metrics(), eng.log()
+
+
+def assert_victims_served(rep: LeakReport) -> None:
+    for prompt, reply in zip(rep.victim_prompts, rep.victim_replies):
+        assert reply.status == 200
+        assert record_codes(reply.text) <= record_codes(prompt, rep.victim), reply.text
+
+
+@pytest.mark.parametrize("n", [INCIDENT, OTHER], ids=["incident", "other-numbers"])
+def test_reject_before_transfer(n: Numbers) -> None:
+    rep, m, _ = scenario("reject-before-transfer", n)
+    r = rep.reply
+    assert r.status == 400 and r.error is not None
+    assert r.error["code"] == "context_length_exceeded"
+    for number in (n.attacker_len, n.context, n.prefill_pool):
+        assert f"{number} tokens" in r.error["message"], r.error["message"]
+    assert not rep.pages  # bob's decode read nothing
+    assert m['minigrid_kv_pages_in_use{role="decode"}'] == 0
+    assert_victims_served(rep)
+
+
+def test_reject_before_transfer_reserves_no_decode_page() -> None:
+    with Engine.start(incident_preset(), fixes="reject-before-transfer") as eng:
+        r = eng.complete("bob", "BOB pin 123456; " * 62, max_tokens=16)
+        assert r.status == 400
+        trace = eng.trace()
+        assert not [e for e in trace["decode"] if e["kind"] == "reserve" and e["tenant"] == "bob"]
+        assert not [e for e in trace["prefill"] if e["kind"] == "reserve" and e["tenant"] == "bob"]
+
+
+@pytest.mark.parametrize("n", [INCIDENT, OTHER], ids=["incident", "other-numbers"])
+def test_coverage_check(n: Numbers) -> None:
+    rep, _, log = scenario("coverage-check", n)
+    assert rep.reply.status == 500 and rep.reply.error["code"] == "kv_coverage_mismatch"
+    assert f"prefill wrote 1 tokens of KV, decode preallocated {n.attacker_len}" in rep.reply.error["message"]
+    assert "KV coverage mismatch" in log  # named in the log
+    assert rep.reply.text == ""
+    assert_victims_served(rep)
+
+
+@pytest.mark.parametrize("n", [INCIDENT, OTHER], ids=["incident", "other-numbers"])
+def test_kv_checksum(n: Numbers) -> None:
+    rep, m, _ = scenario("kv-checksum", n)
+    assert rep.reply.status == 500 and rep.reply.error["code"] == "kv_checksum_mismatch"
+    pages = -(-n.attacker_len // n.page)
+    assert m["minigrid_kv_checksum_mismatches_total"] == pages - 1  # all but the stub's page
+    assert rep.reply.text == ""
+    assert_victims_served(rep)
+
+
+@pytest.mark.parametrize("n", [INCIDENT, OTHER], ids=["incident", "other-numbers"])
+def test_scrub_on_free_hides_the_leak_but_the_answer_is_wrong(n: Numbers) -> None:
+    rep, _, _ = scenario("scrub-on-free", n)
+    r = rep.reply
+    assert r.status == 200 and r.prompt_tokens == n.attacker_len  # still 200, still "exact"
+    assert not rep.leaked, rep.summary()
+    assert rep.longest_run < 12
+    assert not (record_codes(r.text) & record_codes(rep.attacker_prompt)), "bob's answer cannot be right"
+    assert set(rep.pages_by_tenant()) <= {"bob", None}  # scrubbed pages: written by nobody
+    assert_victims_served(rep)
+
+
+@pytest.mark.parametrize("n", [INCIDENT, OTHER], ids=["incident", "other-numbers"])
+def test_owner_check(n: Numbers) -> None:
+    rep, m, _ = scenario("owner-check", n)
+    assert rep.reply.status == 500 and rep.reply.error["code"] == "owner_check_violation"
+    assert m["minigrid_owner_check_violations_total"] >= 1
+    assert rep.reply.text == ""
+    assert_victims_served(rep)
+
+
+def test_capacity_check_refuses_the_incident_numbers_at_once() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "minigrid_engine.cli", "serve", "--fixes", "capacity-check", "--port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "prefill KV pool holds 665 tokens, fewer than the context length of 1024 tokens" in proc.stderr
+    assert "--prefill-pool-tokens" in proc.stderr
+
+
+@pytest.mark.parametrize("n", [INCIDENT, OTHER], ids=["incident", "other-numbers"])
+def test_all_fixes_on_the_corrected_pool_serve_bob_his_own_answer(n: Numbers) -> None:
+    pool = 2 * n.context  # the corrected configuration: about twice the context
+    rep, m, log = scenario("all", n, prefill_pool_tokens=pool)
+    assert f"prefill KV pool: {pool} tokens" in log
+    r = rep.reply
+    assert r.status == 200 and r.prompt_tokens == n.attacker_len
+    assert not rep.leaked, rep.summary()
+    assert record_codes(r.text) and record_codes(r.text) <= record_codes(rep.attacker_prompt, "bob"), r.text
+    assert rep.pages_by_tenant() == {"bob": -(-n.attacker_len // n.page)}
+    assert m["minigrid_owner_check_violations_total"] == 0
+    assert m["minigrid_kv_checksum_mismatches_total"] == 0
+    assert_victims_served(rep)
+
+
+def test_all_but_capacity_on_the_incident_numbers_rejects_bob() -> None:
+    names = ",".join(f for f in FIXES if f not in ("capacity-check", "deferred-release"))
+    rep, _, _ = scenario(names, INCIDENT)
+    assert rep.reply.status == 400 and rep.reply.error["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("bogus", "unknown fix 'bogus': choose none, all, or a comma-separated list of capacity-check"),
+        ("owner-check,scrub", "unknown fix 'scrub'"),
+        (",", "give none, all, or names from"),
+    ],
+)
+def test_bad_fix_names(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_fixes(text)
