@@ -71,9 +71,7 @@ class CanaryHarness:
     def prompt(self, tenant: str, n_tokens: int, n_records: int = 8) -> str:
         """A prompt of exactly `n_tokens` bytes of `tenant`'s records, every code a canary."""
         name = tenant.upper()
-        block = "".join(
-            f"{name} {self.rng.choice(FIELDS)} {self.canary(tenant)}; " for _ in range(n_records)
-        )
+        block = "".join(f"{name} {self.rng.choice(FIELDS)} {self.canary(tenant)}; " for _ in range(n_records))
         text = (block * (n_tokens // len(block) + 1))[:n_tokens]
         return self.register(tenant, text)
 

@@ -147,6 +147,17 @@ class DecodeScheduler:
         sent = checksums or []
         return [p for i, p in enumerate(pages) if i >= len(sent) or sent[i] != got[i]]
 
+    def fail_all(self, reason: str) -> None:
+        """Abort every request this role holds (after an internal error), pages back to the pool."""
+        live = [*self.bootstrapping.values(), *self.prealloc, *self.transfer.values(), *self.running]
+        self.bootstrapping.clear()
+        self.prealloc.clear()
+        self.transfer.clear()
+        self.running.clear()
+        for req in live:
+            if not req.finished():
+                self._abort(req, reason, "internal_error")
+
     def on_abort(self, msg: Abort) -> None:
         req = self.bootstrapping.pop(msg.room, None) or self.transfer.pop(msg.room, None)
         if req is None:
@@ -247,7 +258,8 @@ class DecodeScheduler:
                 )
             )
 
-    def _abort(self, req: Request, reason: str) -> None:
+    def _abort(self, req: Request, reason: str, code: str = "kv_transfer_failed") -> None:
+        log.warning("decode: aborting %s: %s", req.request_id, reason)
         self._release(req)
         req.finish(Outcome.ABORTED, self.trace, reason)
         self.counters["aborted"] += 1
@@ -261,11 +273,11 @@ class DecodeScheduler:
                 req.prompt_len,
                 "error",
                 error=reason,
-                code="kv_transfer_failed",
+                code=code,
                 error_type="server_error",
             )
         )
-        self.send_prefill(Abort(req.room or 0, reason, 500, "kv_transfer_failed", "decode"))
+        self.send_prefill(Abort(req.room or 0, reason, 500, code, "decode"))
 
     def _release(self, req: Request) -> None:
         if self.pool.holds(req.request_id):

@@ -29,7 +29,7 @@ class ModelConfig:
 
     vocab_size: int = 256
     d_model: int = 128
-    n_layers: int = 4
+    n_layers: int = 3
     n_heads: int = 4
     n_kv_heads: int = 2
     rotary_dims: int = 16  # rotary on part of each head: content-only dims help long-range copying

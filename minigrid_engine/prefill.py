@@ -103,6 +103,21 @@ class PrefillScheduler:
             req.finish(Outcome.ABORTED, self.trace, msg.reason)
         self.decode_pages.pop(msg.room, None)
 
+    def fail_all(self, reason: str) -> None:
+        """Abort every request this role holds (after an internal error), pages back to the pool."""
+        live = [*self.bootstrap_queue, *self.waiting, *(r for r, _ in self.inflight.values())]
+        self.bootstrap_queue.clear()
+        self.waiting.clear()
+        self.inflight.clear()
+        self.decode_pages.clear()
+        for req in live:
+            self._release(req)
+            if not req.finished():
+                req.finish(Outcome.ABORTED, self.trace, reason)
+            abort = Abort(req.room or 0, reason, 500, "internal_error", "prefill")
+            self.send_decode(abort)
+            self.send_router(abort)
+
     def on_transfer_sent(self, room: int) -> None:
         """The sender has pushed a request's pages and done message out: free its pages."""
         req = self.sending.pop(room)

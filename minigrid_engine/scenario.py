@@ -24,6 +24,14 @@ from minigrid_engine.records import record_prompt
 RECORD = re.compile(r"([A-Z]+) ([a-z]+) ([A-Z0-9]{6,10});")
 
 
+CODE = re.compile(r"\b([A-Z0-9]{6,10});")
+
+
+def codes_in(text: str) -> set[str]:
+    """Every code in `text` that ends a record (``...QZ7K2M9P;``), whole records or not."""
+    return set(CODE.findall(text))
+
+
 def record_codes(text: str, tenant: str | None = None) -> set[str]:
     """Codes of complete records in `text` (of one tenant, if given)."""
     return {c for name, _, c in RECORD.findall(text) if tenant is None or name == tenant.upper()}
@@ -85,7 +93,7 @@ def run_incident(
 ) -> LeakReport:
     rng = random.Random(seed)
     # Victim prompts fit the prefill pool; the attacker's does not, but fits the context.
-    vlen = victim_len or max(32, int(prefill_pool_tokens * 0.9) - max_tokens)
+    vlen = victim_len or max(32, int(min(prefill_pool_tokens, context_length) * 0.9) - max_tokens)
     alen = attacker_len or (context_length - max_tokens)
     vprompts = [record_prompt(victim, vlen, rng, rng.randint(6, 10)) for _ in range(victim_prompts)]
     baseline = engine.complete(victim, vprompts[0], max_tokens=4)  # alone: a real prefill's TTFT
@@ -94,7 +102,7 @@ def run_incident(
     aprompt = record_prompt(attacker, alen, rng, 10)
     reply = engine.complete(attacker, aprompt, max_tokens=max_tokens)
     secrets = set().union(*(record_codes(p, victim) for p in vprompts))
-    leaked = record_codes(reply.text) & secrets if reply.ok else set()
+    leaked = codes_in(reply.text) & secrets if reply.ok else set()
     run = max((longest_shared_run(reply.text, p) for p in vprompts), default=0) if reply.ok else 0
     pages: list[dict[str, Any]] = []
     if reply.request_id is not None:

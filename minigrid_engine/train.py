@@ -27,7 +27,14 @@ import torch
 from torch.nn import functional as F
 
 from minigrid_engine.attention import CausalAttention
-from minigrid_engine.model import ModelConfig, Transformer, default_weights_path, save_model
+from minigrid_engine.model import (
+    ModelConfig,
+    Transformer,
+    default_weights_path,
+    load_meta,
+    load_model,
+    save_model,
+)
 from minigrid_engine.records import secret_records
 
 NAMES = [
@@ -66,6 +73,8 @@ PRINTABLE = string.ascii_letters + string.digits + string.punctuation + " " * 8
 class TrainConfig:
     steps: int = 3000
     short_steps: int = 700
+    gaps_from: int = 2200  # position gaps only once copying works (they slow its forming)
+    ramp_blocks: bool = True
     batch: int = 12
     seq_len: int = 1024
     max_position: int = 4096
@@ -127,12 +136,14 @@ def stage_at(step: int, cfg: TrainConfig) -> tuple[int, int]:
     """
     if step < cfg.short_steps:
         return min(cfg.seq_len, 256), 48
+    if not cfg.ramp_blocks:
+        return cfg.seq_len, MAX_BLOCK
     ramp = max(1, (cfg.steps - cfg.short_steps) // 2)
     return cfg.seq_len, min(MAX_BLOCK, 64 + (MAX_BLOCK - 64) * (step - cfg.short_steps) // ramp)
 
 
 def sample_batch(
-    rng: random.Random, cfg: TrainConfig, seq_len: int, max_block: int = MAX_BLOCK
+    rng: random.Random, cfg: TrainConfig, seq_len: int, max_block: int = MAX_BLOCK, gaps: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     seqs = torch.tensor([sample_sequence(rng, seq_len, max_block) for _ in range(cfg.batch)])
     positions = torch.empty(cfg.batch, seq_len, dtype=torch.long)
@@ -140,7 +151,7 @@ def sample_batch(
         # A gap in the positions, half the time: the tokens after `cut` sit `gap` positions further
         # on. Decode meets this when it continues at its own prompt length over stale pages whose
         # keys were rotated at another request's (shorter) positions.
-        gap = rng.randint(1, MAX_GAP) if rng.random() < 0.5 else 0
+        gap = rng.randint(1, MAX_GAP) if gaps and rng.random() < 0.5 else 0
         cut = rng.randint(1, seq_len - 1)
         start = rng.randint(0, cfg.max_position - seq_len - gap)
         pos = start + torch.arange(seq_len)
@@ -162,20 +173,21 @@ def train(
     out: Path,
     log_every: int = 50,
     checkpoint_every: int = 0,
+    init: Path | None = None,
 ) -> dict[str, object]:
     """Train and save to `out`; returns the training facts stored beside the weights."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    model = Transformer(model_cfg)
+    model = Transformer(model_cfg) if init is None else load_model(init).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     backend = CausalAttention()
     t0 = time.time()
     first_loss = last_loss = float("nan")
     ema = None
     for step in range(cfg.steps):
-        seqs, positions = sample_batch(rng, cfg, *stage_at(step, cfg))
+        seqs, positions = sample_batch(rng, cfg, *stage_at(step, cfg), gaps=step >= cfg.gaps_from)
         logits = model(seqs[:, :-1], positions, backend)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1))
         for group in opt.param_groups:
@@ -203,7 +215,8 @@ def train(
         "final_loss_smoothed": round(last_loss, 4),
         "seconds": round(time.time() - t0, 1),
         "parameters": model.num_parameters(),
-        "corpus": "synthetic: repeated tenant records, printable strings, word salad",
+        "corpus": "synthetic: repeated tenant records, printable strings, word salad, raw bytes",
+        "init": None if init is None else {"path": init.name, **load_meta(init)},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     save_model(model, out, meta)
@@ -223,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--out", type=Path, default=default_weights_path())
     p.add_argument("--checkpoint-every", type=int, default=0, help="also save <out>.partial.pt")
+    p.add_argument("--init", type=Path, help="continue from these weights (full-length phase, gaps on)")
     a = p.parse_args(argv)
     if a.steps < 1 or a.batch < 1 or a.seq_len < 2:
         p.error(f"--steps {a.steps}, --batch {a.batch} and --seq-len {a.seq_len} must be positive")
@@ -230,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--max-position {a.max_position} must be at least --seq-len {a.seq_len}")
     cfg = TrainConfig(
         steps=a.steps,
-        short_steps=min(d.short_steps, a.steps // 3),
+        short_steps=0 if a.init else min(d.short_steps, a.steps // 3),
+        gaps_from=0 if a.init else min(d.gaps_from, a.steps * 11 // 15),
+        ramp_blocks=a.init is None,
         batch=a.batch,
         seq_len=a.seq_len,
         max_position=a.max_position,
@@ -239,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=a.seed,
         threads=a.threads,
     )
-    train(cfg, ModelConfig(), a.out, checkpoint_every=a.checkpoint_every)
+    train(cfg, ModelConfig(), a.out, checkpoint_every=a.checkpoint_every, init=a.init)
     return 0
 
 

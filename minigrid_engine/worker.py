@@ -193,18 +193,31 @@ class Worker:
                     who = "router" if conn is self.router.conn else "peer"
                     log.error("%s worker: the %s connection closed; exiting", self.role, who)
                     return
-                self.handle(msg, conn is self.peer.conn)
-            if isinstance(self.scheduler, PrefillScheduler):
-                while True:
-                    try:
-                        self.scheduler.on_transfer_sent(self.sent.get_nowait())
-                    except queue.Empty:
-                        break
-                busy = self.scheduler.step()
-                while self.scheduler.transfers:
-                    self.jobs.put(self.scheduler.transfers.popleft())
-            else:
-                busy = self.scheduler.step()
+                self._guarded(self.handle, msg, conn is self.peer.conn)
+            busy = bool(self._guarded(self._step))
+
+    def _step(self) -> bool:
+        s = self.scheduler
+        if isinstance(s, PrefillScheduler):
+            while True:
+                try:
+                    s.on_transfer_sent(self.sent.get_nowait())
+                except queue.Empty:
+                    break
+            busy = s.step()
+            while s.transfers:
+                self.jobs.put(s.transfers.popleft())
+            return busy
+        return s.step()
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        """Run `fn`; a bug fails the requests in flight (with the reason), never the worker."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            log.exception("%s worker: internal error", self.role)
+            self.scheduler.fail_all(f"internal error in the {self.role} worker: {type(exc).__name__}: {exc}")
+            return False
 
     def close(self) -> None:
         if self.role == "prefill":

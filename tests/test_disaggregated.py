@@ -17,7 +17,7 @@ import pytest
 from minigrid_engine.config import MODEL_ID, incident_preset
 from minigrid_engine.handle import Engine
 from minigrid_engine.records import record_prompt
-from minigrid_engine.scenario import record_codes, run_incident
+from minigrid_engine.scenario import codes_in, record_codes, run_incident
 
 
 def _alive(pid: int) -> bool:
@@ -83,7 +83,7 @@ def test_prompts_that_fit_answer_from_their_own_context_in_one_batch(incident: E
     for tenant, reply in replies.items():
         assert reply.status == 200 and reply.prompt_tokens == len(prompts[tenant])
         own = record_codes(prompts[tenant], tenant)
-        found = record_codes(reply.text)
+        found = codes_in(reply.text)
         assert found, f"{tenant}'s answer {reply.text!r} copied no record"
         assert found <= own, f"{tenant}'s answer {reply.text!r} holds codes not in its prompt"
     reads = [e for e in incident.trace(since=since)["decode"] if e["kind"] == "read"]

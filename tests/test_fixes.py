@@ -12,7 +12,7 @@ from minigrid_engine.config import incident_preset
 from minigrid_engine.errors import ConfigError
 from minigrid_engine.fixes import FIXES, parse_fixes
 from minigrid_engine.handle import Engine
-from minigrid_engine.scenario import LeakReport, record_codes, run_incident
+from minigrid_engine.scenario import LeakReport, codes_in, record_codes, run_incident
 
 
 @dataclass(frozen=True)
@@ -30,21 +30,30 @@ OTHER = Numbers(640, 64, 400, 2048, 600, 3)
 
 
 def scenario(fixes: str, n: Numbers, **changes: object) -> tuple[LeakReport, dict[str, float], str]:
-    cfg = incident_preset(
-        context_length=n.context, page_size=n.page, prefill_pool_tokens=n.prefill_pool,
-        decode_pool_tokens=n.decode_pool, **changes,
-    )
-    with Engine.start(cfg, fixes=fixes) as eng:
-        rep = run_incident(eng, context_length=n.context, prefill_pool_tokens=changes.get(
-            "prefill_pool_tokens", n.prefill_pool), attacker_len=n.attacker_len, max_tokens=24,
-            victim_prompts=n.victim_prompts, seed=3)
+    settings: dict[str, object] = {
+        "context_length": n.context,
+        "page_size": n.page,
+        "prefill_pool_tokens": n.prefill_pool,
+        "decode_pool_tokens": n.decode_pool,
+        **changes,
+    }
+    with Engine.start(incident_preset(**settings), fixes=fixes) as eng:
+        rep = run_incident(
+            eng,
+            context_length=n.context,
+            prefill_pool_tokens=int(settings["prefill_pool_tokens"]),  # type: ignore[call-overload]
+            attacker_len=n.attacker_len,
+            max_tokens=24,
+            victim_prompts=n.victim_prompts,
+            seed=3,
+        )
         return rep, eng.metrics(), eng.log()
 
 
 def assert_victims_served(rep: LeakReport) -> None:
     for prompt, reply in zip(rep.victim_prompts, rep.victim_replies):
         assert reply.status == 200
-        assert record_codes(reply.text) <= record_codes(prompt, rep.victim), reply.text
+        assert codes_in(reply.text) <= record_codes(prompt, rep.victim), reply.text
 
 
 @pytest.mark.parametrize("n", [INCIDENT, OTHER], ids=["incident", "other-numbers"])
@@ -96,7 +105,7 @@ def test_scrub_on_free_hides_the_leak_but_the_answer_is_wrong(n: Numbers) -> Non
     assert r.status == 200 and r.prompt_tokens == n.attacker_len  # still 200, still "exact"
     assert not rep.leaked, rep.summary()
     assert rep.longest_run < 12
-    assert not (record_codes(r.text) & record_codes(rep.attacker_prompt)), "bob's answer cannot be right"
+    assert not (codes_in(r.text) & record_codes(rep.attacker_prompt)), "bob's answer cannot be right"
     assert set(rep.pages_by_tenant()) <= {"bob", None}  # scrubbed pages: written by nobody
     assert_victims_served(rep)
 
@@ -113,7 +122,9 @@ def test_owner_check(n: Numbers) -> None:
 def test_capacity_check_refuses_the_incident_numbers_at_once() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "minigrid_engine.cli", "serve", "--fixes", "capacity-check", "--port", "0"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode != 0
     assert "prefill KV pool holds 665 tokens, fewer than the context length of 1024 tokens" in proc.stderr
@@ -128,7 +139,7 @@ def test_all_fixes_on_the_corrected_pool_serve_bob_his_own_answer(n: Numbers) ->
     r = rep.reply
     assert r.status == 200 and r.prompt_tokens == n.attacker_len
     assert not rep.leaked, rep.summary()
-    assert record_codes(r.text) and record_codes(r.text) <= record_codes(rep.attacker_prompt, "bob"), r.text
+    assert codes_in(r.text) and codes_in(r.text) <= record_codes(rep.attacker_prompt, "bob"), r.text
     assert rep.pages_by_tenant() == {"bob": -(-n.attacker_len // n.page)}
     assert m["minigrid_owner_check_violations_total"] == 0
     assert m["minigrid_kv_checksum_mismatches_total"] == 0
