@@ -118,6 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from minigrid_engine.config import corrected_preset, incident_preset, parse_tenants
+    from minigrid_engine.faults import parse_faults
     from minigrid_engine.fixes import parse_fixes
     from minigrid_engine.serve import serve
 
@@ -135,6 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "decode_pool_tokens",
         "max_batch",
         "admin_key",
+        "release_timeout_s",
     ):
         if getattr(args, flag) is not None:
             changes[flag] = getattr(args, flag)
@@ -142,6 +144,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         changes["fixes"] = parse_fixes(args.fixes)
     if args.tenants is not None:
         changes["tenants"] = parse_tenants(args.tenants)
+    if args.inject:
+        parse_faults(args.inject)  # refused here, before anything starts, unless allowed
+        changes["inject"] = tuple(args.inject)
     cfg = base.with_(**changes)
     return serve(cfg, args.ready_file)
 
@@ -187,6 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     s.add_argument("--attention", choices=["torch", "triton"], default="torch")
     s.add_argument("--max-batch", type=positive_int)
+    s.add_argument(
+        "--release-timeout",
+        dest="release_timeout_s",
+        type=float,
+        help="seconds decode waits for a transfer before giving up (5)",
+    )
+    s.add_argument(
+        "--inject",
+        action="append",
+        metavar="FAULT",
+        help="fault injection for tests and labs (needs MINIGRID_FAULT_INJECTION=1): "
+        "delay-transfer=SECONDS, drop-done, duplicate-done",
+    )
     s.add_argument("--ready-file", type=Path, help="write the server's URL here once it serves")
     s.set_defaults(func=cmd_serve)
 

@@ -69,8 +69,10 @@ class ServeConfig:
     transfer_host: str = "127.0.0.1"  # where prefill listens for decode (bootstrap + gloo store)
     max_batch: int = 32
     worker_threads: int = 1  # torch threads per worker process
-    trace_maxlen: int = 100_000
+    trace_maxlen: int = 50_000
     weights: str | None = None  # None: the weights shipped in the package
+    release_timeout_s: float = 5.0  # decode gives up on a transfer after this long
+    inject: tuple[str, ...] = ()  # fault injections (faults.py), for tests and labs only
 
     def __post_init__(self) -> None:
         _whole("--port", self.port, 0)
@@ -92,6 +94,10 @@ class ServeConfig:
             raise ConfigError(f"--attention {self.attention!r}: choose torch or triton")
         if not self.tenants:
             raise ConfigError("at least one tenant is needed (--tenants NAME:KEY)")
+        if not 0 < self.release_timeout_s <= 3600:
+            raise ConfigError(
+                f"--release-timeout {self.release_timeout_s} must be between 0 and 3600 seconds"
+            )
 
     @property
     def pages_per_context(self) -> int:
@@ -111,6 +117,7 @@ class ServeConfig:
     def from_json(cls, text: str) -> ServeConfig:
         d = json.loads(text)
         d["fixes"] = parse_fixes(d["fixes"])
+        d["inject"] = tuple(d.get("inject", ()))
         return cls(**d)
 
 

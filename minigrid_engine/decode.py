@@ -22,6 +22,7 @@ import torch
 from minigrid_engine.config import ServeConfig
 from minigrid_engine.messages import (
     Abort,
+    AbortAck,
     Bootstrapped,
     GenerateRequest,
     KVBootstrap,
@@ -60,6 +61,9 @@ class DecodeScheduler:
         self.transfer: dict[int, Request] = {}
         self.running: list[Request] = []
         self._early: set[int] = set()  # Bootstrapped that arrived before the request
+        self.transfer_since: dict[int, float] = {}
+        self.rooms: dict[int, tuple[str, str]] = {}
+        self.quarantine: dict[int, tuple[Request, float]] = {}  # deferred-release: room -> (req, until)
         self._generators: dict[int, torch.Generator] = {}
         self.counters = {
             "decoded_tokens": 0,
@@ -82,6 +86,9 @@ class DecodeScheduler:
         )
         req.advance(State.BOOTSTRAPPING, self.trace, role="decode")
         self.bootstrapping[msg.room] = req
+        self.rooms[msg.room] = (req.request_id, req.tenant)
+        while len(self.rooms) > 10_000:  # who each recent room was, for late messages
+            del self.rooms[next(iter(self.rooms))]
         if msg.room in self._early:
             self._early.discard(msg.room)
             self.on_bootstrapped(Bootstrapped(msg.room))
@@ -96,16 +103,20 @@ class DecodeScheduler:
 
     def on_transfer_begin(self, msg: TransferBegin, data: torch.Tensor) -> None:
         """Page data arrived for `msg.room`: write it where the message says."""
+        if self.fixes.deferred_release and msg.room not in self.transfer and msg.room not in self.quarantine:
+            # Fix `deferred-release`: data for a room that holds no pages here is dropped.
+            log.warning("decode: dropped late page data for room %d (no pages held)", msg.room)
+            return
         store_pages(self.pool, msg.dst_pages, data)
-        req = self.transfer.get(msg.room)
-        # The faulty engine writes into the named pages whoever holds them now.
-        writer = req.request_id if req is not None else f"room-{msg.room}"
-        tenant = req.tenant if req is not None else None
-        self.pool.note_write(writer, tenant or "?", msg.dst_pages)
-        self.trace.emit(WRITE, writer, tenant, msg.dst_pages, source="transfer", room=msg.room)
+        # The faulty engine writes into the named pages whoever holds them now; the trace says who.
+        writer, tenant = self.rooms.get(msg.room, (f"room-{msg.room}", "?"))
+        owners = [self.pool.pages[p].owner for p in msg.dst_pages]
+        self.pool.note_write(writer, tenant, msg.dst_pages)
+        self.trace.emit(WRITE, writer, tenant, msg.dst_pages, source="transfer", room=msg.room, owners=owners)
 
     def on_transfer_done(self, msg: TransferDone) -> None:
         req = self.transfer.pop(msg.room, None)
+        self.transfer_since.pop(msg.room, None)
         if req is None:
             return  # no such room (aborted meanwhile): nothing to commit
         if not msg.success or msg.first_token is None:
@@ -147,6 +158,33 @@ class DecodeScheduler:
         sent = checksums or []
         return [p for i, p in enumerate(pages) if i >= len(sent) or sent[i] != got[i]]
 
+    def on_abort_ack(self, msg: AbortAck) -> None:
+        """Prefill will send nothing more for the room: its quarantined pages may go back."""
+        entry = self.quarantine.pop(msg.room, None)
+        if entry is not None:
+            self._release(entry[0])
+
+    def _expire(self) -> None:
+        """Give up on transfers that take longer than the release timeout."""
+        now = time.time()
+        timeout = self.cfg.release_timeout_s
+        for room in [r for r, t in self.transfer_since.items() if now - t > timeout]:
+            del self.transfer_since[room]
+            req = self.transfer.pop(room, None)
+            if req is None:
+                continue
+            reason = f"KV transfer for {req.request_id} did not complete within {timeout:g} s"
+            if self.fixes.deferred_release:
+                # Fix `deferred-release`: fail the request now, but keep its pages reserved until
+                # prefill acknowledges (nothing more is coming) or the timeout passes once more.
+                self.quarantine[room] = (req, now + timeout)
+                self._abort(req, reason, "kv_transfer_timeout", status=504, release=False)
+            else:
+                # The faulty engine frees the pages at once; a late transfer can still land in them.
+                self._abort(req, reason, "kv_transfer_timeout", status=504)
+        for room in [r for r, (_, until) in self.quarantine.items() if now > until]:
+            self._release(self.quarantine.pop(room)[0])
+
     def fail_all(self, reason: str) -> None:
         """Abort every request this role holds (after an internal error), pages back to the pool."""
         live = [*self.bootstrapping.values(), *self.prealloc, *self.transfer.values(), *self.running]
@@ -171,6 +209,7 @@ class DecodeScheduler:
 
     # -- scheduling ----------------------------------------------------------------------
     def step(self) -> bool:
+        self._expire()
         busy = self._preallocate()
         if self.running:
             self._decode()
@@ -178,7 +217,7 @@ class DecodeScheduler:
         return busy
 
     def idle(self) -> bool:
-        return not (self.bootstrapping or self.prealloc or self.transfer or self.running)
+        return not (self.bootstrapping or self.prealloc or self.transfer or self.running or self.quarantine)
 
     def _tokens(self, req: Request) -> int:
         return req.prompt_len + req.max_tokens
@@ -192,6 +231,7 @@ class DecodeScheduler:
             res = self.pool.reserve(req.request_id, req.tenant, self._tokens(req))
             req.advance(State.TRANSFERRING, self.trace, role="decode")
             self.transfer[req.room or 0] = req
+            self.transfer_since[req.room or 0] = time.time()
             self.send_prefill(KVBootstrap(req.room or 0, list(res.pages), self._tokens(req)))
             moved = True
         return moved
@@ -258,9 +298,17 @@ class DecodeScheduler:
                 )
             )
 
-    def _abort(self, req: Request, reason: str, code: str = "kv_transfer_failed") -> None:
+    def _abort(
+        self,
+        req: Request,
+        reason: str,
+        code: str = "kv_transfer_failed",
+        status: int = 500,
+        release: bool = True,
+    ) -> None:
         log.warning("decode: aborting %s: %s", req.request_id, reason)
-        self._release(req)
+        if release:
+            self._release(req)
         req.finish(Outcome.ABORTED, self.trace, reason)
         self.counters["aborted"] += 1
         self.send_router(
@@ -268,7 +316,7 @@ class DecodeScheduler:
                 req.room or 0,
                 req.request_id,
                 req.tenant,
-                500,
+                status,
                 [],
                 req.prompt_len,
                 "error",
@@ -277,7 +325,7 @@ class DecodeScheduler:
                 error_type="server_error",
             )
         )
-        self.send_prefill(Abort(req.room or 0, reason, 500, code, "decode"))
+        self.send_prefill(Abort(req.room or 0, reason, status, code, "decode"))
 
     def _release(self, req: Request) -> None:
         if self.pool.holds(req.request_id):

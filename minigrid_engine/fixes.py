@@ -31,6 +31,7 @@ BUILT: frozenset[str] = frozenset(
         "kv-checksum",
         "scrub-on-free",
         "owner-check",
+        "deferred-release",
     }
 )
 

@@ -97,6 +97,8 @@ class Engine:
         log = Path(tempfile.mkstemp(prefix="minigrid-", suffix=".log")[1])
         cmd = [sys.executable, "-m", "minigrid_engine.cli", "serve", *_flags(cfg)]
         env = dict(os.environ, MINIGRID_ADMIN_KEY=admin, PYTHONUNBUFFERED="1")
+        if cfg.inject:  # asked for by name in code: the notebook or test means it
+            env["MINIGRID_FAULT_INJECTION"] = "1"
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
@@ -244,30 +246,24 @@ def pages_read(events: list[dict[str, Any]], request_id: str) -> Iterator[dict[s
 
 
 def _flags(cfg: ServeConfig) -> list[str]:
-    flags = [
-        "--host",
-        cfg.host,
-        "--port",
-        str(cfg.port),
-        "--context-length",
-        str(cfg.context_length),
-        "--page-size",
-        str(cfg.page_size),
-        "--prefill-pool-tokens",
-        str(cfg.prefill_pool_tokens),
-        "--decode-pool-tokens",
-        str(cfg.decode_pool_tokens),
-        "--fixes",
-        str(cfg.fixes),
-        "--tenants",
-        ",".join(f"{n}:{k}" for n, k in cfg.tenants.items()),
-        "--device",
-        cfg.device,
-        "--attention",
-        cfg.attention,
-        "--max-batch",
-        str(cfg.max_batch),
-    ]
+    """The `minigrid serve` command line that starts `cfg`."""
+    values = {
+        "--host": cfg.host,
+        "--port": cfg.port,
+        "--context-length": cfg.context_length,
+        "--page-size": cfg.page_size,
+        "--prefill-pool-tokens": cfg.prefill_pool_tokens,
+        "--decode-pool-tokens": cfg.decode_pool_tokens,
+        "--fixes": cfg.fixes,
+        "--tenants": ",".join(f"{n}:{k}" for n, k in cfg.tenants.items()),
+        "--device": cfg.device,
+        "--attention": cfg.attention,
+        "--max-batch": cfg.max_batch,
+        "--release-timeout": cfg.release_timeout_s,
+    }
+    flags = [str(x) for flag, value in values.items() for x in (flag, value)]
+    for fault in cfg.inject:
+        flags += ["--inject", fault]
     return flags
 
 

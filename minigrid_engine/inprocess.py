@@ -14,6 +14,7 @@ from minigrid_engine.config import ServeConfig
 from minigrid_engine.decode import DecodeScheduler
 from minigrid_engine.messages import (
     Abort,
+    AbortAck,
     Bootstrapped,
     GenerateRequest,
     KVBootstrap,
@@ -93,6 +94,11 @@ class InProcessCluster:
                 self.prefill.on_abort(msg)
         while self.prefill.transfers:
             job = self.prefill.transfers.popleft()
+            moved = True
+            if job.ack_only:
+                self.decode.on_abort_ack(AbortAck(job.room))
+                continue
+            assert job.begin is not None and job.done is not None
             data = page_data(self.prefill_pool, job.src_pages)
             self.transport.send(data)
             self.decode.on_transfer_begin(job.begin, self.transport.recv(data))

@@ -80,6 +80,13 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class AbortAck:
+    """Prefill to decode: nothing more will be sent for `room` (after every earlier message)."""
+
+    room: int
+
+
+@dataclass(frozen=True)
 class Result:
     """The end of a request, as the router returns it to the client."""
 

@@ -17,6 +17,7 @@ success. The `reject-before-transfer` fix is the other branch of that one functi
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from minigrid_engine.config import ServeConfig
+from minigrid_engine.faults import parse_faults
 from minigrid_engine.messages import (
     Abort,
     Bootstrapped,
@@ -47,8 +49,13 @@ class TransferJob:
 
     room: int
     src_pages: list[int]
-    begin: TransferBegin
-    done: TransferDone
+    begin: TransferBegin | None
+    done: TransferDone | None
+    deadline: float = float("inf")  # with `deferred-release`: not started after this, never sent
+    delay_s: float = 0.0  # injected faults
+    drop_done: bool = False
+    duplicate_done: bool = False
+    ack_only: bool = False  # no data: send AbortAck(room) once everything before it has gone out
 
 
 class PrefillScheduler:
@@ -74,6 +81,8 @@ class PrefillScheduler:
         self.transfers: deque[TransferJob] = deque()  # drained by the worker's sender
         self.sending: dict[int, Request] = {}
         self.counters = {"prefilled": 0, "stubbed": 0, "rejected": 0, "transfers": 0, "aborted": 0}
+        self.faults = list(parse_faults(cfg.inject))
+        self.cancelled: set[int] = set()  # rooms decode gave up on (read by the sender thread)
 
     # -- messages ------------------------------------------------------------------------
     def on_generate(self, msg: GenerateRequest) -> None:
@@ -102,6 +111,11 @@ class PrefillScheduler:
             self._release(req)
             req.finish(Outcome.ABORTED, self.trace, msg.reason)
         self.decode_pages.pop(msg.room, None)
+        if self.fixes.deferred_release and msg.source == "decode":
+            # Fix `deferred-release`: cancel whatever is still queued for the room, then tell decode,
+            # behind every earlier message, that nothing more will come: it may free the pages.
+            self.cancelled.add(msg.room)
+            self.transfers.append(TransferJob(msg.room, [], None, None, ack_only=True))
 
     def fail_all(self, reason: str) -> None:
         """Abort every request this role holds (after an internal error), pages back to the pool."""
@@ -120,10 +134,13 @@ class PrefillScheduler:
 
     def on_transfer_sent(self, room: int) -> None:
         """The sender has pushed a request's pages and done message out: free its pages."""
-        req = self.sending.pop(room)
+        req = self.sending.pop(room, None)
+        if req is None:
+            return
         self._release(req)
-        # The faulty engine's success path: this overwrites a pending 400 (SGLang #33507).
-        req.finish(Outcome.LENGTH, self.trace)
+        if not req.finished():
+            # The faulty engine's success path: this overwrites a pending 400 (SGLang #33507).
+            req.finish(Outcome.LENGTH, self.trace)
 
     # -- the one question every queue asks ------------------------------------------------
     def _gone(self, req: Request) -> bool:
@@ -229,11 +246,30 @@ class PrefillScheduler:
             if self.fixes.kv_checksum:  # fix `kv-checksum`: one digest per page sent (#39500)
                 checksums = page_checksums(self.pool, src)
             done = TransferDone(room, True, first, written_tokens=written, checksums=checksums)
-            self.transfers.append(TransferJob(room, src, TransferBegin(room, dst), done))
+            job = TransferJob(room, src, TransferBegin(room, dst), done)
+            if self.fixes.deferred_release:
+                # Fix `deferred-release`: a transfer is bounded: it starts within the release
+                # timeout decode applies, or not at all.
+                job.deadline = time.time() + self.cfg.release_timeout_s
+            self._inject(job)
+            self.transfers.append(job)
             self.sending[room] = req
             self.counters["transfers"] += 1
             sent = True
         return sent
+
+    def _inject(self, job: TransferJob) -> None:
+        """Apply the next pending injected fault (if any) to this transfer."""
+        if not self.faults:
+            return
+        fault = self.faults.pop(0)
+        if fault.name == "delay-transfer":
+            job.delay_s = fault.seconds
+        elif fault.name == "drop-done":
+            job.drop_done = True
+        elif fault.name == "duplicate-done":
+            job.duplicate_done = True
+        self.trace.emit("fault", None, None, (), fault=str(fault), room=job.room)
 
     def _release(self, req: Request) -> None:
         if self.pool.holds(req.request_id):

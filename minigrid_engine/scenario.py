@@ -95,7 +95,7 @@ def run_incident(
     # Victim prompts fit the prefill pool; the attacker's does not, but fits the context.
     vlen = victim_len or max(32, int(min(prefill_pool_tokens, context_length) * 0.9) - max_tokens)
     alen = attacker_len or (context_length - max_tokens)
-    vprompts = [record_prompt(victim, vlen, rng, rng.randint(6, 10)) for _ in range(victim_prompts)]
+    vprompts = [record_prompt(victim, vlen, rng, rng.randint(3, 6)) for _ in range(victim_prompts)]
     baseline = engine.complete(victim, vprompts[0], max_tokens=4)  # alone: a real prefill's TTFT
     with ThreadPoolExecutor(len(vprompts)) as pool:
         vreplies = list(pool.map(lambda p: engine.complete(victim, p, max_tokens=max_tokens), vprompts))
@@ -110,3 +110,53 @@ def run_incident(
     return LeakReport(
         victim, attacker, vprompts, vreplies, aprompt, reply, leaked, run, pages, baseline.ttft_s
     )
+
+
+@dataclass
+class LateTransferReport:
+    """A transfer slower than the release timeout, and the tenant whose pages it then landed in."""
+
+    slow_tenant: str
+    victim: str
+    slow_reply: Reply
+    reply: Reply  # the victim's answer
+    foreign_codes: set[str]  # the slow tenant's codes in the victim's answer
+    foreign_writes: list[dict[str, Any]]  # late page data written into pages another request held
+
+    @property
+    def leaked(self) -> bool:
+        """The slow tenant's K/V landed in pages the victim held (and perhaps in its text)."""
+        return bool(self.foreign_writes) or bool(self.foreign_codes)
+
+
+def run_late_transfer(
+    engine: Handle,
+    *,
+    context_length: int,
+    slow_tenant: str = "carol",
+    victim: str = "alice",
+    slow_len: int | None = None,
+    victim_len: int | None = None,
+    seed: int = 0,
+) -> LateTransferReport:
+    """The engine must run with ``inject=("delay-transfer=D",)`` and a release timeout below D.
+
+    1. `slow_tenant`'s transfer is held past decode's release timeout: decode gives up (an error);
+    2. right after, `victim` sends a prompt and decodes for a long time;
+    3. the late transfer lands in the pages decode gave back, if they were given back.
+    """
+    rng = random.Random(seed)
+    slow_prompt = record_prompt(slow_tenant, slow_len or context_length // 2 + 64, rng, 6)
+    vlen = victim_len or context_length // 2
+    victim_prompt = record_prompt(victim, vlen, rng, 6)
+    slow_reply = engine.complete(slow_tenant, slow_prompt, max_tokens=8)
+    reply = engine.complete(victim, victim_prompt, max_tokens=context_length - vlen - 8)
+    foreign = codes_in(reply.text) & record_codes(slow_prompt, slow_tenant) if reply.ok else set()
+    writes = [
+        e
+        for e in engine.trace()["decode"]
+        if e["kind"] == "write"
+        and e["tenant"] == slow_tenant
+        and any(o is not None and o != e["request"] for o in e["detail"].get("owners", []))
+    ]
+    return LateTransferReport(slow_tenant, victim, slow_reply, reply, foreign, writes)

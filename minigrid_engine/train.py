@@ -151,12 +151,18 @@ def sample_batch(
         # A gap in the positions, half the time: the tokens after `cut` sit `gap` positions further
         # on. Decode meets this when it continues at its own prompt length over stale pages whose
         # keys were rotated at another request's (shorter) positions.
-        gap = rng.randint(1, MAX_GAP) if gaps and rng.random() < 0.5 else 0
+        room = min(MAX_GAP, cfg.max_position - seq_len)
+        gap = rng.randint(1, room) if gaps and room >= 1 and rng.random() < 0.5 else 0
         cut = rng.randint(1, seq_len - 1)
         start = rng.randint(0, cfg.max_position - seq_len - gap)
         pos = start + torch.arange(seq_len)
         pos[cut:] += gap
         positions[row] = pos
+        if gap and rng.random() < 0.5:
+            # ...and a few junk tokens right after the gap (a stub's first token, spaces), after
+            # which the text goes on: the model learns to pick up the copying again.
+            junk = [rng.choice((0, 32, rng.randrange(256))) for _ in range(rng.randint(1, 3))]
+            seqs[row, cut : cut + len(junk)] = torch.tensor(junk[: seq_len + 1 - cut])
     return seqs, positions
 
 

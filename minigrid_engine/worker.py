@@ -27,6 +27,7 @@ from minigrid_engine.config import ServeConfig
 from minigrid_engine.decode import DecodeScheduler
 from minigrid_engine.messages import (
     Abort,
+    AbortAck,
     Bootstrapped,
     GenerateRequest,
     KVBootstrap,
@@ -105,16 +106,49 @@ class Worker:
 
     # -- prefill's sender thread: TransferBegin, the page data, TransferDone, in that order --
     def _sender(self) -> None:
+        held: list[tuple[float, TransferJob]] = []  # injected delays: sent later, others go on
         while True:
-            job = self.jobs.get()
-            if job is None:
-                return
+            wait_s = max(0.0, min(due for due, _ in held) - time.time()) if held else None
+            try:
+                job = self.jobs.get(timeout=wait_s)
+            except queue.Empty:
+                job = None
+            else:
+                if job is None:
+                    return
+            ready: list[TransferJob] = []
+            if job is not None and job.delay_s > 0:
+                held.append((time.time() + job.delay_s, job))
+            elif job is not None:
+                ready.append(job)
+            now = time.time()
+            ready += [j for due, j in held if due <= now]
+            held = [(due, j) for due, j in held if due > now]
+            for j in ready:
+                if j.ack_only:  # deferred-release: drop what is held for the room, then acknowledge
+                    held = [(due, h) for due, h in held if h.room != j.room]
+                    self.peer.send(AbortAck(j.room))
+                else:
+                    self._send_job(j)
+
+    def _send_job(self, job: TransferJob) -> None:
+        assert isinstance(self.scheduler, PrefillScheduler)
+        if job.room in self.scheduler.cancelled:
+            pass  # decode gave up on it (deferred-release): nothing goes out
+        elif time.time() > job.deadline:
+            # deferred-release: a transfer that cannot start within the timeout is not started.
+            self.peer.send(TransferDone(job.room, False, error="transfer deadline passed before it started"))
+        else:
+            assert job.begin is not None and job.done is not None
             data = page_data(self.pool, job.src_pages)
             with self.peer.lock:
                 self.peer.conn.send(job.begin)
                 self.transport.send(data)
-                self.peer.conn.send(job.done)
-            self.sent.put(job.room)
+                if not job.drop_done:
+                    self.peer.conn.send(job.done)
+                if job.duplicate_done:
+                    self.peer.conn.send(job.done)
+        self.sent.put(job.room)
 
     # -- messages ------------------------------------------------------------------------
     def handle(self, msg: Any, from_peer: bool) -> None:
@@ -146,6 +180,8 @@ class Worker:
             s.on_transfer_begin(msg, self.transport.recv(like))
         elif isinstance(msg, TransferDone) and isinstance(s, DecodeScheduler):
             s.on_transfer_done(msg)
+        elif isinstance(msg, AbortAck) and isinstance(s, DecodeScheduler):
+            s.on_abort_ack(msg)
         else:
             log.warning("%s worker: unexpected message %r", self.role, msg)
 

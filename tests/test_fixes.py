@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from minigrid_engine.config import incident_preset
+from minigrid_engine.config import corrected_preset, incident_preset
 from minigrid_engine.errors import ConfigError
 from minigrid_engine.fixes import FIXES, parse_fixes
 from minigrid_engine.handle import Engine
-from minigrid_engine.scenario import LeakReport, codes_in, record_codes, run_incident
+from minigrid_engine.scenario import LeakReport, codes_in, record_codes, run_incident, run_late_transfer
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def test_all_fixes_on_the_corrected_pool_serve_bob_his_own_answer(n: Numbers) ->
 
 
 def test_all_but_capacity_on_the_incident_numbers_rejects_bob() -> None:
-    names = ",".join(f for f in FIXES if f not in ("capacity-check", "deferred-release"))
+    names = ",".join(f for f in FIXES if f != "capacity-check")
     rep, _, _ = scenario(names, INCIDENT)
     assert rep.reply.status == 400 and rep.reply.error["code"] == "context_length_exceeded"
 
@@ -163,3 +163,46 @@ def test_all_but_capacity_on_the_incident_numbers_rejects_bob() -> None:
 def test_bad_fix_names(text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_fixes(text)
+
+
+@pytest.mark.parametrize("fixes", ["none", "deferred-release"])
+def test_deferred_release_against_a_late_transfer(fixes: str) -> None:
+    """Decode gives up on a slow transfer; the late data then lands in pages given to alice (bug)."""
+    cfg = corrected_preset(
+        release_timeout_s=1.0,
+        inject=("delay-transfer=2.5",),
+        tenants={"alice": "sk-alice", "carol": "sk-carol"},
+    )
+    with Engine.start(cfg, fixes=fixes) as eng:
+        rep = run_late_transfer(eng, context_length=cfg.context_length, seed=4)
+        assert rep.slow_reply.status == 504 and rep.slow_reply.error["code"] == "kv_transfer_timeout"
+        assert rep.reply.status == 200
+        if fixes == "none":
+            assert rep.leaked, f"alice's answer {rep.reply.text!r} should hold carol's codes"
+        else:
+            assert not rep.leaked, (
+                f"alice's answer {rep.reply.text!r} holds carol's codes {rep.foreign_codes}"
+            )
+        assert eng.metrics()['minigrid_kv_pages_in_use{role="decode"}'] == 0
+
+
+def test_fault_injection_is_refused_unless_allowed() -> None:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "MINIGRID_FAULT_INJECTION"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "minigrid_engine.cli", "serve", "--inject", "delay-transfer=2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 2 and "set MINIGRID_FAULT_INJECTION=1 to allow it" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "minigrid_engine.cli", "serve", "--inject", "melt-gpu"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 2 and "unknown fault 'melt-gpu': choose one of delay-transfer" in proc.stderr

@@ -30,8 +30,13 @@ def test_notebooks_are_committed_clean(nb: Path) -> None:
 def run_lab(name: str, tmp_path: Path, **params: object) -> dict:
     out = tmp_path / "result.json"
     pm.execute_notebook(
-        str(LABS / name), str(tmp_path / f"out-{name}"), parameters={**params, "result_path": str(out)},
-        kernel_name="python3", progress_bar=False, start_timeout=120, cwd=str(LABS),
+        str(LABS / name),
+        str(tmp_path / f"out-{name}"),
+        parameters={**params, "result_path": str(out)},
+        kernel_name="python3",
+        progress_bar=False,
+        start_timeout=120,
+        cwd=str(LABS),
     )
     return json.loads(out.read_text())
 
