@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -55,6 +56,7 @@ class LeakReport:
     longest_run: int  # longest run of the victim's prompt text in the answer
     pages: list[dict[str, Any]] = field(default_factory=list)  # decode pages the answer read
     baseline_ttft_s: float | None = None  # a real prefill of a victim prompt, alone
+    attempt: int = 1
 
     @property
     def leaked(self) -> bool:
@@ -90,6 +92,43 @@ def run_incident(
     attacker_len: int | None = None,
     max_tokens: int = 48,
     seed: int = 0,
+    attempts: int = 1,
+) -> LeakReport:
+    """Run the scenario; with `attempts` > 1, run it again (new prompts, next seed) until the answer
+    shows the victim's text. Every attempt reads the victim's pages; whether a 0.6 M-parameter
+    model turns them into readable secrets within a few tokens is a matter of luck (about 4 in 5)."""
+    report = None
+    for i in range(attempts):
+        report = _incident_once(
+            engine,
+            context_length,
+            prefill_pool_tokens,
+            victim,
+            attacker,
+            victim_prompts,
+            victim_len,
+            attacker_len,
+            max_tokens,
+            seed + i,
+        )
+        report.attempt = i + 1
+        if report.leaked or not report.reply.ok:
+            break
+    assert report is not None
+    return report
+
+
+def _incident_once(
+    engine: Handle,
+    context_length: int,
+    prefill_pool_tokens: int,
+    victim: str,
+    attacker: str,
+    victim_prompts: int,
+    victim_len: int | None,
+    attacker_len: int | None,
+    max_tokens: int,
+    seed: int,
 ) -> LeakReport:
     rng = random.Random(seed)
     # Victim prompts fit the prefill pool; the attacker's does not, but fits the context.
@@ -97,8 +136,12 @@ def run_incident(
     alen = attacker_len or (context_length - max_tokens)
     vprompts = [record_prompt(victim, vlen, rng, rng.randint(3, 6)) for _ in range(victim_prompts)]
     baseline = engine.complete(victim, vprompts[0], max_tokens=4)  # alone: a real prefill's TTFT
-    with ThreadPoolExecutor(len(vprompts)) as pool:
-        vreplies = list(pool.map(lambda p: engine.complete(victim, p, max_tokens=max_tokens), vprompts))
+    with ThreadPoolExecutor(len(vprompts)) as pool:  # concurrent, in a fixed order of arrival
+        futures = []
+        for p in vprompts:
+            futures.append(pool.submit(engine.complete, victim, p, max_tokens=max_tokens))
+            time.sleep(0.05)
+        vreplies = [f.result() for f in futures]
     aprompt = record_prompt(attacker, alen, rng, 10)
     reply = engine.complete(attacker, aprompt, max_tokens=max_tokens)
     secrets = set().union(*(record_codes(p, victim) for p in vprompts))

@@ -158,11 +158,12 @@ def sample_batch(
         pos = start + torch.arange(seq_len)
         pos[cut:] += gap
         positions[row] = pos
-        if gap and rng.random() < 0.5:
-            # ...and a few junk tokens right after the gap (a stub's first token, spaces), after
-            # which the text goes on: the model learns to pick up the copying again.
-            junk = [rng.choice((0, 32, rng.randrange(256))) for _ in range(rng.randint(1, 3))]
-            seqs[row, cut : cut + len(junk)] = torch.tensor(junk[: seq_len + 1 - cut])
+        if gap and cut > 64 and rng.random() < 0.5:
+            # ...and after the gap, the text restarts at a random earlier point: copying has to be
+            # picked up from one token, with nothing near it (decode's first steps over stale pages).
+            src = rng.randint(0, cut - 32)
+            n = min(seq_len + 1 - cut, seq_len + 1 - src)
+            seqs[row, cut : cut + n] = seqs[row, src : src + n].clone()
     return seqs, positions
 
 

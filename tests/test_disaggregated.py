@@ -53,7 +53,13 @@ def test_startup_logs_each_pool_in_tokens_and_pages(incident: Engine) -> None:
 
 def test_the_incident_bob_reads_alices_pages(incident: Engine) -> None:
     rep = run_incident(
-        incident, context_length=1024, prefill_pool_tokens=665, attacker_len=1000, max_tokens=24, seed=1
+        incident,
+        attempts=4,
+        context_length=1024,
+        prefill_pool_tokens=665,
+        attacker_len=1000,
+        max_tokens=24,
+        seed=1,
     )
     r = rep.reply
     assert r.status == 200, r.error  # 200 instead of 400
@@ -144,23 +150,22 @@ def test_official_openai_client_works_unchanged(incident: Engine) -> None:
 
 
 def test_other_numbers_leak_the_same_way() -> None:
-    """Context 640, pages of 64, prefill pool 400, decode pool 2048: not tuned to one configuration."""
-    cfg = incident_preset(context_length=640, page_size=64, prefill_pool_tokens=400, decode_pool_tokens=2048)
+    """Pages of 64, prefill pool 720, decode pool 3072, a 980-token prompt: not one configuration."""
+    cfg = incident_preset(page_size=64, prefill_pool_tokens=720, decode_pool_tokens=3072)
     with Engine.start(cfg) as eng:
-        assert "prefill KV pool: 400 tokens in 7 pages of 64 tokens" in eng.log()
+        assert "prefill KV pool: 720 tokens in 12 pages of 64 tokens" in eng.log()
         rep = run_incident(
             eng,
-            context_length=640,
-            prefill_pool_tokens=400,
-            attacker_len=600,
+            context_length=1024,
+            prefill_pool_tokens=720,
+            attacker_len=980,
             max_tokens=24,
-            victim_prompts=3,
             seed=2,
+            attempts=4,
         )
-        assert rep.reply.status == 200 and rep.reply.prompt_tokens == 600
+        assert rep.reply.status == 200 and rep.reply.prompt_tokens == 980
         assert rep.leaked_codes, rep.summary()
-        by = rep.pages_by_tenant()
-        assert by.get("bob") == 1 and by.get("alice") == 9, rep.pages  # 10 pages of 64 for 624 tokens
+        assert rep.pages_by_tenant() == {"bob": 1, "alice": 15}, rep.pages  # 981 tokens read: 16 pages of 64
 
 
 def test_dead_worker_is_reported_not_hung() -> None:
