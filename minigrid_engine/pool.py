@@ -305,14 +305,21 @@ class KVPool:
 
     def note_write(self, request: str, tenant: str, pages: list[int]) -> None:
         """Record in the owner table that `request` wrote K/V into `pages`."""
+        self.note_writes([(request, tenant, p) for p in pages])
+
+    def note_writes(self, writes: list[tuple[str, str, int]]) -> None:
+        """Record several (request, tenant, page) writes at once (one decode step of a batch)."""
+        if not writes:
+            return
         now = time.time()
-        tag = self.tag_of(request)
-        for p in pages:
+        tags = []
+        for request, tenant, p in writes:
             info = self.pages[p]
             info.last_writer, info.last_writer_tenant, info.written_at = request, tenant, now
-        if pages:
-            index = torch.tensor(pages, dtype=torch.long, device=self.writer_tags.device)
-            self.writer_tags.index_fill_(0, index, tag)
+            tags.append(self.tag_of(request))
+        device = self.writer_tags.device
+        index = torch.tensor([p for _, _, p in writes], dtype=torch.long, device=device)
+        self.writer_tags.index_put_((index,), torch.tensor(tags, dtype=torch.int64, device=device))
 
     def check_integrity(self) -> None:
         """free + owned = total; no page free and owned, or held twice; token budget respected."""

@@ -127,9 +127,10 @@ class ModelRunner:
         tokens = torch.tensor([[it.token] for it in items], dtype=torch.long, device=self.device)
         reader_tags = None
         if self.owner_check:
-            for it in items:  # a page the reader starts this step is its own from its first slot
-                if it.position % p == 0:
-                    self.pool.note_write(it.request, it.tenant, [it.pages[it.position // p]])
+            # a page the reader starts this step is its own from its first slot
+            self.pool.note_writes(
+                [(it.request, it.tenant, it.pages[it.position // p]) for it in items if it.position % p == 0]
+            )
             reader_tags = torch.tensor([self.pool.tag_of(it.request) for it in items], device=self.device)
         backend = _PagedDecode(self.pool, table, positions + 1, slots, reader_tags)
         logits = self.model(tokens, positions[:, None], backend)
@@ -140,9 +141,9 @@ class ModelRunner:
                 if bad:
                     self.violations[it.request] = bad
         trace = self.pool.trace
+        self.pool.note_writes([(it.request, it.tenant, it.pages[it.position // p]) for it in items])
         for it in items:
             page = it.pages[it.position // p]
-            self.pool.note_write(it.request, it.tenant, [page])
             trace.emit(WRITE, it.request, it.tenant, [page], start=it.position, end=it.position + 1)
             trace.emit(
                 READ,
