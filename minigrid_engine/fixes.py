@@ -69,6 +69,8 @@ def parse_fixes(text: str) -> Fixes:
     if spec == "all":
         return Fixes.all()
     names = [n.strip() for n in spec.split(",") if n.strip()]
+    if len(names) > 1 and {"none", "all"} & set(names):
+        raise ConfigError(f"--fixes {text!r}: 'none' and 'all' stand alone; list fix names instead")
     if not names:
         raise ConfigError(f"--fixes {text!r}: give none, all, or names from {', '.join(FIXES)}")
     unknown = [n for n in names if n not in FIXES]

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from minigrid_engine.canary import longest_shared_run
+from minigrid_engine.canary import CanaryHarness, Finding, TTFTFloor
 from minigrid_engine.handle import Reply, pages_read
 from minigrid_engine.records import record_prompt
 
@@ -56,7 +56,13 @@ class LeakReport:
     longest_run: int  # longest run of the victim's prompt text in the answer
     pages: list[dict[str, Any]] = field(default_factory=list)  # decode pages the answer read
     baseline_ttft_s: float | None = None  # a real prefill of a victim prompt, alone
+    finding: Finding | None = None  # what the canary harness and the TTFT floor say
     attempt: int = 1
+
+    @property
+    def too_fast(self) -> bool:
+        """The first token came faster than a real prefill of the prompt allows."""
+        return self.finding is not None and self.finding.too_fast
 
     @property
     def leaked(self) -> bool:
@@ -76,6 +82,7 @@ class LeakReport:
             f"answer: {r.text!r}" if r.ok else f"error: {r.error}",
             f"{self.victim}'s secrets in the answer: {sorted(self.leaked_codes) or 'none'}",
             f"pages read, by last writer: {self.pages_by_tenant()}",
+            "TTFT check: " + ("faster than a real prefill allows" if self.too_fast else "plausible"),
         ]
         return "\n".join(lines)
 
@@ -131,27 +138,40 @@ def _incident_once(
     seed: int,
 ) -> LeakReport:
     rng = random.Random(seed)
+    canaries = CanaryHarness(seed)  # every code in every prompt is its tenant's canary
     # Victim prompts fit the prefill pool; the attacker's does not, but fits the context.
     vlen = victim_len or max(32, int(min(prefill_pool_tokens, context_length) * 0.9) - max_tokens)
     alen = attacker_len or (context_length - max_tokens)
-    vprompts = [record_prompt(victim, vlen, rng, rng.randint(3, 6)) for _ in range(victim_prompts)]
+    vprompts = [canaries.prompt(victim, vlen, rng.randint(6, 10)) for _ in range(victim_prompts)]
     baseline = engine.complete(victim, vprompts[0], max_tokens=4)  # alone: a real prefill's TTFT
+    floor = TTFTFloor()
+    if baseline.ok and baseline.ttft_s:
+        floor.observe(len(vprompts[0]), baseline.ttft_s)
     with ThreadPoolExecutor(len(vprompts)) as pool:  # concurrent, in a fixed order of arrival
         futures = []
         for p in vprompts:
             futures.append(pool.submit(engine.complete, victim, p, max_tokens=max_tokens))
             time.sleep(0.05)
         vreplies = [f.result() for f in futures]
-    aprompt = record_prompt(attacker, alen, rng, 10)
+    aprompt = canaries.prompt(attacker, alen, 10)
     reply = engine.complete(attacker, aprompt, max_tokens=max_tokens)
-    secrets = set().union(*(record_codes(p, victim) for p in vprompts))
-    leaked = codes_in(reply.text) & secrets if reply.ok else set()
-    run = max((longest_shared_run(reply.text, p) for p in vprompts), default=0) if reply.ok else 0
+    finding = canaries.check(attacker, reply.text) if reply.ok else Finding(attacker)
+    finding.too_fast = reply.ok and floor.too_fast(alen, reply.ttft_s)
     pages: list[dict[str, Any]] = []
     if reply.request_id is not None:
         pages = list(pages_read(engine.trace()["decode"], reply.request_id))
     return LeakReport(
-        victim, attacker, vprompts, vreplies, aprompt, reply, leaked, run, pages, baseline.ttft_s
+        victim,
+        attacker,
+        vprompts,
+        vreplies,
+        aprompt,
+        reply,
+        finding.foreign_canaries.get(victim, set()),
+        finding.longest_foreign_run,
+        pages,
+        baseline.ttft_s,
+        finding=finding,
     )
 
 

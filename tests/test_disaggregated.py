@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -14,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from minigrid_engine.config import MODEL_ID, incident_preset
+from minigrid_engine.config import MODEL_ID, corrected_preset, incident_preset
 from minigrid_engine.handle import Engine
 from minigrid_engine.records import record_prompt
 from minigrid_engine.scenario import codes_in, record_codes, run_incident
@@ -70,6 +71,7 @@ def test_the_incident_bob_reads_alices_pages(incident: Engine) -> None:
     assert rep.pages[0]["last_writer_tenant"] == "bob"  # the one page prefill wrote: the stub
     assert r.ttft_s is not None and rep.baseline_ttft_s is not None
     assert r.ttft_s < rep.baseline_ttft_s, "bob's 1000 tokens came back faster than alice's shorter prefill"
+    assert rep.too_fast, "the TTFT floor should flag a 1000-token answer this fast"
     m = incident.metrics()
     assert m["minigrid_prefill_stubbed_requests_total"] >= 1
     assert m['minigrid_kv_pages_in_use{role="decode"}'] == 0
@@ -227,3 +229,34 @@ def test_serve_refuses_impossible_settings(args: list[str], message: str) -> Non
     )
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _audit(url: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "minigrid_engine.cli", "audit", "--url", url, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_audit_reads_the_running_engine(incident: Engine) -> None:
+    proc = _audit(incident.url)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the prefill pool holds 665 tokens < context length 1024" in proc.stdout
+    report = json.loads(_audit(incident.url, "--json").stdout)
+    assert report["ok"] is False
+    prefill = next(p for p in report["pools"] if p["role"] == "prefill")
+    assert prefill["shortfall_tokens"] == 1024 - 665
+
+
+def test_audit_passes_the_corrected_configuration() -> None:
+    with Engine.start(corrected_preset()) as eng:
+        proc = _audit(eng.url)
+        assert proc.returncode == 0, proc.stdout
+        assert "PASS" in proc.stdout
+
+
+def test_audit_of_nothing_says_so() -> None:
+    proc = _audit("http://127.0.0.1:9")
+    assert proc.returncode == 2 and "cannot read http://127.0.0.1:9/metrics" in proc.stderr

@@ -159,6 +159,7 @@ def test_all_but_capacity_on_the_incident_numbers_rejects_bob() -> None:
         ("bogus", "unknown fix 'bogus': choose none, all, or a comma-separated list of capacity-check"),
         ("owner-check,scrub", "unknown fix 'scrub'"),
         (",", "give none, all, or names from"),
+        ("none,owner-check", "'none' and 'all' stand alone"),
     ],
 )
 def test_bad_fix_names(text: str, message: str) -> None:

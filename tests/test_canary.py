@@ -1,0 +1,37 @@
+"""The canary harness and the TTFT floor: the checks the launch tests lacked."""
+
+from __future__ import annotations
+
+from minigrid_engine.canary import CanaryHarness, TTFTFloor, longest_shared_run
+
+
+def test_foreign_canaries_are_a_leak_own_are_not() -> None:
+    h = CanaryHarness(seed=1)
+    alice = h.prompt("alice", 300, 5)
+    bob = h.prompt("bob", 300, 5)
+    assert len(alice) == 300 and len(h.canaries["alice"]) == 5
+    a_code = sorted(h.canaries["alice"])[0]
+    finding = h.check("bob", f"BOB pin 12; ALICE key {a_code}; ")
+    assert finding.leak and finding.foreign_canaries == {"alice": {a_code}}
+    assert "alice's canaries" in finding.explain()
+    own = bob[40:80]
+    clean = h.check("bob", own)
+    assert not clean.leak, clean.explain()
+
+
+def test_a_long_run_of_another_tenants_text_is_a_leak_without_canaries() -> None:
+    h = CanaryHarness(seed=2, run_threshold=24)
+    h.register("alice", "the board meets on friday to approve the merger with globex corp")
+    f = h.check("bob", "xx approve the merger with globex corp yy")
+    assert f.longest_foreign_run >= 24 and f.leak and f.longest_foreign_run_owner == "alice"
+    assert not h.check("bob", "the cat sat on the mat").leak
+    assert longest_shared_run("abcdef", "zzcdezz") == 3
+
+
+def test_ttft_floor_flags_an_answer_faster_than_its_prefill() -> None:
+    floor = TTFTFloor(margin=0.5)
+    assert not floor.too_fast(1000, 0.001)  # nothing observed yet: no claim
+    floor.observe(500, 0.050)  # 10,000 prefill tokens/s seen
+    assert abs(floor.floor_s(1000) - 0.050) < 1e-9
+    assert floor.too_fast(1000, 0.020)
+    assert not floor.too_fast(1000, 0.080)
