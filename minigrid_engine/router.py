@@ -43,6 +43,13 @@ ROLES = ("prefill", "decode")
 MAX_BODY_BYTES = 4 * 2**20
 
 
+def _recv(conn: Connection) -> object:
+    try:
+        return conn.recv()
+    except (EOFError, OSError) as exc:
+        return exc
+
+
 class StartupError(MinigridError):
     """A worker failed to start; the message carries what it said."""
 
@@ -144,14 +151,15 @@ class Router:
             link = WorkerLink(role, proc)
             self.workers[role] = link
             threading.Thread(target=self._pump_stderr, args=(link,), daemon=True).start()
-        accepted: queue.Queue[Connection] = queue.Queue()
+        accepted: queue.Queue[tuple[Connection, object]] = queue.Queue()
 
-        def accept() -> None:
+        def accept() -> None:  # a worker connects, then says Ready once its peer and pool are up
             for _ in ROLES:
                 try:
-                    accepted.put(listener.accept())
+                    conn = listener.accept()
                 except OSError:  # closed after a failed start
                     return
+                threading.Thread(target=lambda c=conn: accepted.put((c, _recv(c))), daemon=True).start()
 
         threading.Thread(target=accept, name="accept-workers", daemon=True).start()
         deadline = time.monotonic() + timeout_s
@@ -167,10 +175,9 @@ class Router:
                 if time.monotonic() > deadline:
                     raise StartupError(f"workers not ready after {timeout_s:.0f} s")
                 try:
-                    conn = accepted.get(timeout=0.2)
+                    conn, ready = accepted.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                ready = conn.recv()
                 if not isinstance(ready, Ready):
                     raise StartupError(f"a worker said {ready!r} instead of Ready")
                 link = self.workers[ready.role]

@@ -120,16 +120,47 @@ def test_owner_check(n: Numbers) -> None:
     assert_victims_served(rep)
 
 
-def test_capacity_check_refuses_the_incident_numbers_at_once() -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "the prefill KV pool holds 665 tokens, fewer than the context length of 1024 tokens"),
+        (
+            ["--page-size", "64", "--prefill-pool-tokens", "720", "--context-length", "1024"],
+            "the prefill KV pool holds 720 tokens, fewer than the context length of 1024 tokens",
+        ),
+        (
+            ["--prefill-pool-tokens", "2048", "--decode-pool-tokens", "900"],
+            "the decode KV pool holds 900 tokens, fewer than the context length of 1024 tokens",
+        ),
+    ],
+    ids=["incident", "other-numbers", "decode-pool"],
+)
+def test_capacity_check_refuses_to_start(args: list[str], message: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "minigrid_engine.cli", "serve", "--fixes", "capacity-check", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "minigrid_engine.cli",
+            "serve",
+            "--fixes",
+            "capacity-check",
+            "--port",
+            "0",
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert proc.returncode != 0
-    assert "prefill KV pool holds 665 tokens, fewer than the context length of 1024 tokens" in proc.stderr
-    assert "--prefill-pool-tokens" in proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert "-pool-tokens to at least 1024" in proc.stderr
+
+
+def test_capacity_check_starts_on_the_corrected_pool() -> None:
+    with Engine.start(corrected_preset(), fixes="capacity-check") as eng:
+        assert eng.health()[0] == 200
+        assert eng.complete("alice", "ALICE pin 7Q2M4KX1; " * 40, max_tokens=8).status == 200
 
 
 @pytest.mark.parametrize("n", [INCIDENT, OTHER], ids=["incident", "other-numbers"])
@@ -167,10 +198,12 @@ def test_bad_fix_names(text: str, message: str) -> None:
         parse_fixes(text)
 
 
+@pytest.mark.parametrize("page", [128, 64])
 @pytest.mark.parametrize("fixes", ["none", "deferred-release"])
-def test_deferred_release_against_a_late_transfer(fixes: str) -> None:
+def test_deferred_release_against_a_late_transfer(fixes: str, page: int) -> None:
     """Decode gives up on a slow transfer; the late data then lands in pages given to alice (bug)."""
     cfg = corrected_preset(
+        page_size=page,
         release_timeout_s=1.0,
         inject=("delay-transfer=1.4",),  # lands while alice, who came right after, still decodes
         tenants={"alice": "sk-alice", "carol": "sk-carol"},
