@@ -238,16 +238,7 @@ class DecodeScheduler:
 
     def _decode(self) -> None:
         batch = self.running[: self.cfg.max_batch]
-        items = [
-            DecodeItem(
-                r.request_id,
-                r.tenant,
-                r.output_ids[-1],
-                r.prompt_len + len(r.output_ids) - 1,
-                self.pool.reservation(r.request_id).pages,
-            )
-            for r in batch
-        ]
+        items = [DecodeItem.next_step(r, self.pool.reservation(r.request_id).pages) for r in batch]
         logits = self.runner.decode(items)
         for r in [r for r in batch if r.request_id in self.runner.violations]:
             # Fix `owner-check`: the attention read found pages this request never wrote.

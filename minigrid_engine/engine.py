@@ -151,16 +151,7 @@ class Engine:
             self.running.append(req)
             done += self._retire()
         if self.running:
-            items = [
-                DecodeItem(
-                    r.request_id,
-                    r.tenant,
-                    r.output_ids[-1],
-                    r.prompt_len + len(r.output_ids) - 1,
-                    self.pool.reservation(r.request_id).pages,
-                )
-                for r in self.running
-            ]
+            items = [DecodeItem.next_step(r, self.pool.reservation(r.request_id).pages) for r in self.running]
             logits = self.runner.decode(items)
             for r, row in zip(self.running, logits):
                 self._emit_token(r, row)

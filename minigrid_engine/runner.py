@@ -15,6 +15,7 @@ import torch
 from minigrid_engine import attention
 from minigrid_engine.model import Transformer
 from minigrid_engine.pool import KVPool
+from minigrid_engine.request import Request
 from minigrid_engine.trace import READ, WRITE
 
 
@@ -27,6 +28,13 @@ class DecodeItem:
     token: int
     position: int
     pages: list[int]
+
+    @classmethod
+    def next_step(cls, req: Request, pages: list[int]) -> DecodeItem:
+        """The step that feeds `req`'s last output token at the position after its KV so far."""
+        return cls(
+            req.request_id, req.tenant, req.output_ids[-1], req.prompt_len + len(req.output_ids) - 1, pages
+        )
 
 
 class _PagedPrefill:
