@@ -19,7 +19,7 @@ $(VENV)/.minigrid-setup: pyproject.toml Makefile
 	touch $@
 
 lab: setup
-	$(VENV)/bin/jupyter lab labs/
+	$(VENV)/bin/jupyter lab labs/ $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 test: setup
 	$(PY) -m pytest
