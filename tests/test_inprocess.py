@@ -1,0 +1,51 @@
+"""The two schedulers wired in one process: the protocol's outcomes without sockets."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from minigrid_engine.config import incident_preset
+from minigrid_engine.handle import pages_read
+from minigrid_engine.inprocess import InProcessCluster
+from minigrid_engine.model import load_model
+from minigrid_engine.records import record_prompt
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model()
+
+
+def incident(cluster: InProcessCluster, seed: int = 0):
+    rng = random.Random(seed)
+    for _ in range(2):
+        cluster.submit("alice", record_prompt("alice", 574, rng, 8), 24)
+    cluster.run()
+    return cluster.complete("bob", record_prompt("bob", 1000, rng, 10), 24)
+
+
+def test_faulty_protocol_reads_seven_stale_pages(model) -> None:
+    c = InProcessCluster(incident_preset(), model)
+    r = incident(c)
+    assert r.status == 200 and r.prompt_tokens == 1000
+    events = [e.to_dict() for e in c.decode_pool.trace.events()]
+    writers = [p["last_writer_tenant"] for p in pages_read(events, r.request_id)]
+    assert writers.count("alice") == 7 and writers.count("bob") == 1
+    for pool in (c.prefill_pool, c.decode_pool):
+        pool.check_integrity()
+        assert pool.pages_in_use == 0
+
+
+def test_rejection_reserves_nothing_in_either_pool(model) -> None:
+    c = InProcessCluster(incident_preset(fixes="reject-before-transfer"), model)
+    r = incident(c)
+    assert r.status == 400 and r.code == "context_length_exceeded"
+    bob_reserves = [
+        e
+        for pool in (c.prefill_pool, c.decode_pool)
+        for e in pool.trace.events(kind="reserve")
+        if e.tenant == "bob"
+    ]
+    assert not bob_reserves
