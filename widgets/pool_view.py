@@ -1,0 +1,101 @@
+"""The page-pool view: one cell per page of each role, coloured by the tenant that last wrote it.
+
+Reads only what the engine exposes (`Engine.pools()` snapshots, `pages_read` forensics); the
+engine never imports this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import plotly.graph_objects as go
+
+PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#B279A2", "#E45756", "#72B7B2", "#EECA3B", "#9D755D"]
+NEVER = "#E8E8E8"
+
+
+def tenant_colours(tenants: list[str]) -> dict[str | None, str]:
+    colours: dict[str | None, str] = {None: NEVER}
+    for i, t in enumerate(sorted(tenants)):
+        colours[t] = PALETTE[i % len(PALETTE)]
+    return colours
+
+
+def pool_figure(
+    pools: dict[str, list[dict[str, Any]]],
+    read: dict[str, set[int]] | None = None,
+    columns: int = 16,
+    title: str = "KV page pools: colour = tenant that last wrote the page",
+) -> go.Figure:
+    """A grid per role. Pages in `read[role]` (e.g. the pages one answer read) are outlined in black;
+    a page whose last writer is not its current owner (stale, not zeroed) is marked with a dot."""
+    read = read or {}
+    tenants = sorted(
+        {p["last_writer_tenant"] for snap in pools.values() for p in snap if p["last_writer_tenant"]}
+    )
+    colours = tenant_colours(tenants)
+    fig = go.Figure()
+    y0 = 0.0
+    annotations = []
+    for role, snap in pools.items():
+        rows = (len(snap) + columns - 1) // columns
+        annotations.append(dict(x=-0.6, y=y0 + rows / 2 - 0.5, text=role, showarrow=False, xanchor="right"))
+        xs, ys, colour, text, line = [], [], [], [], []
+        for p in snap:
+            x, y = p["page"] % columns, y0 + p["page"] // columns
+            xs.append(x)
+            ys.append(y)
+            colour.append(colours.get(p["last_writer_tenant"], NEVER))
+            outlined = p["page"] in read.get(role, set())
+            line.append(3 if outlined else 0.5)
+            text.append(
+                f"{role} page {p['page']}<br>owner: {p['owner'] or 'free'}<br>"
+                f"last writer: {p['last_writer'] or 'never written'}"
+                + ("<br><b>read by the selected answer</b>" if outlined else "")
+            )
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=ys,
+                mode="markers",
+                name=role,
+                showlegend=False,
+                hovertext=text,
+                hoverinfo="text",
+                marker=dict(symbol="square", size=22, color=colour, line=dict(width=line, color="black")),
+            )
+        )
+        stale = [(x, y) for x, y, p in zip(xs, ys, snap) if p["stale"] and p["owner"] is not None]
+        if stale:
+            fig.add_trace(
+                go.Scatter(
+                    x=[s[0] for s in stale],
+                    y=[s[1] for s in stale],
+                    mode="markers",
+                    showlegend=False,
+                    hoverinfo="skip",
+                    marker=dict(symbol="circle", size=6, color="white"),
+                )
+            )
+        y0 += rows + 1
+    for t in tenants:  # legend entries
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                name=t,
+                marker=dict(symbol="square", size=12, color=colours[t]),
+            )
+        )
+    fig.update_layout(
+        title=title,
+        annotations=annotations,
+        height=60 + 28 * y0,
+        width=720,
+        plot_bgcolor="white",
+        xaxis=dict(visible=False),
+        yaxis=dict(visible=False, autorange="reversed"),
+        margin=dict(l=80, r=20, t=50, b=20),
+    )
+    return fig
