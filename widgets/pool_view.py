@@ -25,11 +25,15 @@ def pool_figure(
     pools: dict[str, list[dict[str, Any]]],
     read: dict[str, set[int]] | None = None,
     columns: int = 16,
+    writers: dict[str, dict[int, str | None]] | None = None,
     title: str = "KV page pools: colour = tenant that last wrote the page",
 ) -> go.Figure:
     """A grid per role. Pages in `read[role]` (e.g. the pages one answer read) are outlined in black;
-    a page whose last writer is not its current owner (stale, not zeroed) is marked with a dot."""
+    a page whose last writer is not its current owner (stale, not zeroed) is marked with a dot.
+    `writers[role][page]` colours a page by another writer than the snapshot's (e.g. who had
+    written it when the selected answer read it)."""
     read = read or {}
+    writers = writers or {}
     tenants = sorted(
         {p["last_writer_tenant"] for snap in pools.values() for p in snap if p["last_writer_tenant"]}
     )
@@ -45,7 +49,8 @@ def pool_figure(
             x, y = p["page"] % columns, y0 + p["page"] // columns
             xs.append(x)
             ys.append(y)
-            colour.append(colours.get(p["last_writer_tenant"], NEVER))
+            tenant = writers.get(role, {}).get(p["page"], p["last_writer_tenant"])
+            colour.append(colours.get(tenant, NEVER))
             outlined = p["page"] in read.get(role, set())
             line.append(3 if outlined else 0.5)
             text.append(
