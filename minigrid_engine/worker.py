@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"capacity-check: the {a.role} KV pool holds {tokens} tokens, fewer than the context "
                 f"length of {cfg.context_length} tokens: a valid prompt would not fit. Raise "
-                f"--{a.role}-pool-tokens to at least {cfg.context_length} or lower --context-length.",
+                f"--{a.role}-pool-tokens to at least {cfg.context_length} (--preset corrected) or lower "
+                f"--context-length; --fixes none runs the faulty configuration on purpose.",
                 file=sys.stderr,
                 flush=True,
             )

@@ -243,3 +243,15 @@ def test_fault_injection_is_refused_unless_allowed() -> None:
         env=env,
     )
     assert proc.returncode == 2 and "unknown fault 'melt-gpu': choose one of delay-transfer" in proc.stderr
+
+
+def test_serve_runs_every_fix_by_default_so_the_incident_numbers_refuse_to_start() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "minigrid_engine.cli", "serve", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "capacity-check: the prefill KV pool holds 665 tokens" in proc.stderr
+    assert "--preset corrected" in proc.stderr
