@@ -1,15 +1,19 @@
 """Make the shipped weights: train the byte-level model to copy from its context.
 
-    python -m minigrid_engine.train                      # the shipped run (about 20 min, 2 cores)
-    python -m minigrid_engine.train --steps 3 --out /tmp/w.pt   # a smoke run
+The shipped weights are two runs (their facts are stored beside the weights, `load_meta()`):
+
+    python -m minigrid_engine.train --out runs/w4.pt                          # stage 1, 17 min, 2 cores
+    python -m minigrid_engine.train --init runs/w4.pt --steps 800 --lr 5e-4   # stage 2: position gaps
+    python -m minigrid_engine.train --steps 3 --out /tmp/w.pt                 # a smoke run
 
 The corpus is synthetic and generated here: blocks of tenant records (``ALICE card QZ7K2M9P; ``),
-random printable strings and word salad, each block repeated, several blocks to a sequence. The
-first occurrence of a block is unpredictable; every repeat is predictable only by copying, so the
-loss falls only once the model has learned induction (find where the current text occurred
-before, continue what followed). Sequences start at random positions up to `--max-position`, and
-blocks are up to 800 bytes long, so copying works across the distances a 1,024-token context and
-its stale pages need.
+random printable strings, word salad and raw bytes, each block repeated, several blocks to a
+sequence. The first occurrence of a block is unpredictable; every repeat is predictable only by
+copying, so the loss falls only once the model has learned induction. Stage 1 is a curriculum
+(short repeated blocks in 256-byte sequences first, then 1,024-byte sequences with blocks growing
+to 900 bytes); stage 2 shifts the positions after a random cut by a random gap, as decode sees
+when it continues at its own prompt length over stale pages rotated at another request's
+positions.
 """
 
 from __future__ import annotations
@@ -71,9 +75,9 @@ PRINTABLE = string.ascii_letters + string.digits + string.punctuation + " " * 8
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 3000
+    steps: int = 2200
     short_steps: int = 700
-    gaps_from: int = 2200  # position gaps only once copying works (they slow its forming)
+    gaps_from: int = 2200  # position gaps only once copying works (they slow its forming): stage 2
     ramp_blocks: bool = True
     batch: int = 12
     seq_len: int = 1024
@@ -158,12 +162,6 @@ def sample_batch(
         pos = start + torch.arange(seq_len)
         pos[cut:] += gap
         positions[row] = pos
-        if gap and cut > 64 and rng.random() < 0.5:
-            # ...and after the gap, the text restarts at a random earlier point: copying has to be
-            # picked up from one token, with nothing near it (decode's first steps over stale pages).
-            src = rng.randint(0, cut - 32)
-            n = min(seq_len + 1 - cut, seq_len + 1 - src)
-            seqs[row, cut : cut + n] = seqs[row, src : src + n].clone()
     return seqs, positions
 
 
@@ -244,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=default_weights_path())
     p.add_argument("--checkpoint-every", type=int, default=0, help="also save <out>.partial.pt")
     p.add_argument("--init", type=Path, help="continue from these weights (full-length phase, gaps on)")
+    p.add_argument("--gaps-from", type=int, help="step from which positions get random gaps")
     a = p.parse_args(argv)
     if a.steps < 1 or a.batch < 1 or a.seq_len < 2:
         p.error(f"--steps {a.steps}, --batch {a.batch} and --seq-len {a.seq_len} must be positive")
@@ -252,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig(
         steps=a.steps,
         short_steps=0 if a.init else min(d.short_steps, a.steps // 3),
-        gaps_from=0 if a.init else min(d.gaps_from, a.steps * 11 // 15),
+        gaps_from=a.gaps_from
+        if a.gaps_from is not None
+        else (0 if a.init else min(d.gaps_from, a.steps * 11 // 15)),
         ramp_blocks=a.init is None,
         batch=a.batch,
         seq_len=a.seq_len,
