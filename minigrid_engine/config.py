@@ -92,6 +92,10 @@ class ServeConfig:
             raise ConfigError(f"--device {self.device!r}: choose cpu or cuda")
         if self.attention not in ("torch", "triton"):
             raise ConfigError(f"--attention {self.attention!r}: choose torch or triton")
+        if self.attention == "triton":
+            raise ConfigError(
+                "--attention triton: the Triton kernels are not built yet; use --attention torch"
+            )
         if not self.tenants:
             raise ConfigError("at least one tenant is needed (--tenants NAME:KEY)")
         if not 0 < self.release_timeout_s <= 3600:

@@ -274,6 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     authkey = bytes.fromhex(os.environ["MINIGRID_AUTHKEY"])
     cfg = ServeConfig.from_json(a.config)
     torch.set_num_threads(max(1, cfg.worker_threads))
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        print(
+            f"--device cuda: no CUDA device is visible to the {a.role} worker (torch {torch.__version__})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 3
     if cfg.fixes.capacity_check:
         # Fix `capacity-check`: the deployment check, made by the role from its own pool.
         tokens = cfg.prefill_pool_tokens if a.role == "prefill" else cfg.decode_pool_tokens
