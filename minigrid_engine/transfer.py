@@ -11,6 +11,7 @@ request: that is for the fixes.
 
 from __future__ import annotations
 
+import socket
 import zlib
 from datetime import timedelta
 from typing import Protocol
@@ -55,13 +56,17 @@ class DistTransport:
         self.rank = 0 if role == "prefill" else 1
         self.backend = "nccl" if device == "cuda" else "gloo"
         self.device = device
-        dist.init_process_group(
-            self.backend,
-            init_method=f"tcp://{host}:{port}",
-            rank=self.rank,
-            world_size=2,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        if self.rank == 0:
+            # The rendezvous store listens where it is told (--transfer-host), not on every
+            # interface as torch's own `tcp://` store does: it takes no key, so anyone who reaches
+            # it could join the group. The store is handed a socket bound here.
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.create_server((host, port), family=family)
+            store = dist.TCPStore(host, port, 2, True, timeout, master_listen_fd=sock.detach())
+        else:
+            store = dist.TCPStore(host, port, 2, False, timeout)
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=2, timeout=timeout)
 
     def send(self, data: torch.Tensor) -> None:
         dist.send(data.contiguous(), dst=1 - self.rank)
