@@ -98,6 +98,9 @@ class ServeConfig:
             )
         if not self.tenants:
             raise ConfigError("at least one tenant is needed (--tenants NAME:KEY)")
+        for name, key in self.tenants.items():
+            if not key.strip():  # an empty key would let "Authorization: Bearer " in as that tenant
+                raise ConfigError(f"tenant {name!r} has an empty API key")
         if not 0 < self.release_timeout_s <= 3600:
             raise ConfigError(
                 f"--release-timeout {self.release_timeout_s} must be between 0 and 3600 seconds"

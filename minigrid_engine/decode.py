@@ -202,6 +202,11 @@ class DecodeScheduler:
             for r in [r for r in self.prealloc if r.room == msg.room]:
                 self.prealloc.remove(r)
                 req = r
+        if req is None:  # the client left mid-decode: its transfer is done, its pages may go
+            for r in [r for r in self.running if r.room == msg.room]:
+                self.running.remove(r)
+                self._generators.pop(msg.room, None)
+                req = r
         if req is None:
             return
         self._release(req)

@@ -41,6 +41,16 @@ log = logging.getLogger("minigrid.router")
 disable_created_metrics()
 ROLES = ("prefill", "decode")
 MAX_BODY_BYTES = 4 * 2**20
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes (decode adds 1)
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """`value` as JSON for an error message, cut short: a hostile body is never echoed whole."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _recv(conn: Connection) -> object:
@@ -75,6 +85,47 @@ class BadRequest(Exception):
     ):
         super().__init__(message)
         self.message, self.code, self.param, self.status = message, code, param, status
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused (413) as soon as it is known to exceed `limit`: by its declared
+    length before a byte is read, or while it streams in (a chunked upload declares none)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise BadRequest(
+            f"the request body of {declared[:20]} bytes exceeds the limit of {limit} bytes",
+            "body_too_large",
+            status=413,
+        )
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise BadRequest(
+                f"the request body exceeds the limit of {limit} bytes", "body_too_large", status=413
+            )
+    return bytes(raw)
+
+
+def tenant_view(events: list[dict[str, Any]], tenant: str) -> list[dict[str, Any]]:
+    """`tenant`'s own trace events, other requests' names taken out (a transfer's `owners` lists
+    whoever held the pages it landed in, and request ids carry their tenant's name)."""
+    out = []
+    for e in events:
+        if e.get("tenant") != tenant:
+            continue
+        owners = e.get("detail", {}).get("owners")
+        if owners is not None:
+            mine = [o if o in (None, e["request"]) else "another request" for o in owners]
+            e = {**e, "detail": {**e["detail"], "owners": mine}}
+        out.append(e)
+    return out
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns once the client has gone away (call after the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @dataclass
@@ -304,9 +355,12 @@ class Router:
     # -- requests ------------------------------------------------------------------------
     def tenant_of(self, authorization: str | None) -> str | None:
         """The tenant whose key is presented (constant-time comparison), or None."""
-        if not authorization or not authorization.startswith("Bearer "):
+        scheme, _, key_text = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer":  # the scheme is case-insensitive (RFC 7235)
             return None
-        key = authorization[len("Bearer ") :].strip().encode()
+        key = key_text.strip().encode()
+        if not key:
+            return None
         found = None
         for name, k in self.cfg.tenants.items():
             if hmac.compare_digest(key, k.encode()):
@@ -320,32 +374,24 @@ class Router:
             raise BadRequest("the request body must be a JSON object")
         if "model" in body and body["model"] != MODEL_ID:
             raise BadRequest(
-                f"the model {body['model']!r} does not exist; this server serves {MODEL_ID!r}",
+                f"the model {_shown(body['model'])} does not exist; this server serves {MODEL_ID!r}",
                 "model_not_found",
                 "model",
                 404,
             )
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", "missing_required_parameter", "prompt")
-        prompt = body["prompt"]
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise BadRequest("'prompt' must be a string (one prompt per request)", "invalid_type", "prompt")
-        try:
-            ids = self.tokenizer.encode(prompt)
-        except MinigridError as exc:
-            raise BadRequest(str(exc), "invalid_prompt", "prompt") from None
+        ids = self.prompt_ids(body["prompt"])
         max_tokens = body.get("max_tokens", 16)
         if max_tokens is None:
             max_tokens = 16
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
             raise BadRequest(
-                f"'max_tokens' must be an integer, got {json.dumps(max_tokens)}", "invalid_type", "max_tokens"
+                f"'max_tokens' must be an integer, got {_shown(max_tokens)}", "invalid_type", "max_tokens"
             )
         if max_tokens < 1:
             raise BadRequest(
-                f"'max_tokens' must be at least 1, got {max_tokens}", "invalid_value", "max_tokens"
+                f"'max_tokens' must be at least 1, got {_shown(max_tokens)}", "invalid_value", "max_tokens"
             )
         temperature = body.get("temperature", 0)
         if temperature is None:
@@ -356,17 +402,27 @@ class Router:
             or not 0 <= temperature <= 2
         ):
             raise BadRequest(
-                f"'temperature' must be a number from 0 to 2, got {json.dumps(temperature)}",
+                f"'temperature' must be a number from 0 to 2, got {_shown(temperature)}",
                 "invalid_value",
                 "temperature",
             )
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise BadRequest(f"'seed' must be an integer, got {json.dumps(seed)}", "invalid_type", "seed")
-        if body.get("stream"):
+            raise BadRequest(f"'seed' must be an integer, got {_shown(seed)}", "invalid_type", "seed")
+        if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+            # Out of range, torch.Generator raises inside the workers: refuse it here instead.
+            raise BadRequest(
+                f"'seed' must be a 64-bit signed integer, got {_shown(seed)}", "invalid_value", "seed"
+            )
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise BadRequest(f"'stream' must be a boolean, got {_shown(stream)}", "invalid_type", "stream")
+        if stream:
             raise BadRequest("streaming is not supported by minigrid", "unsupported_parameter", "stream")
-        n = body.get("n", 1)
-        if n != 1:
+        n = body.get("n")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+            raise BadRequest(f"'n' must be an integer, got {_shown(n)}", "invalid_type", "n")
+        if n not in (None, 1):
             raise BadRequest("'n' must be 1", "unsupported_parameter", "n")
         total = len(ids) + max_tokens
         if total > self.cfg.context_length:
@@ -377,6 +433,34 @@ class Router:
                 "prompt",
             )
         return ids, max_tokens, float(temperature), seed
+
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        """Token ids of an OpenAI `prompt`: a string, token ids, or a batch of exactly one of those."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            if not prompt:
+                raise BadRequest("'prompt' is an empty list of token ids", "invalid_prompt", "prompt")
+            vocab = self.tokenizer.vocab_size
+            for i, t in enumerate(prompt):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise BadRequest(
+                        f"'prompt' holds {_shown(t)} at index {i}: token ids are integers from 0 to "
+                        f"{vocab - 1}, and one prompt per request",
+                        "invalid_type",
+                        "prompt",
+                    )
+            return list(prompt)
+        if not isinstance(prompt, str):
+            raise BadRequest(
+                "'prompt' must be a string or a list of token ids (one prompt per request)",
+                "invalid_type",
+                "prompt",
+            )
+        try:
+            return self.tokenizer.encode(prompt)
+        except MinigridError as exc:
+            raise BadRequest(str(exc), "invalid_prompt", "prompt") from None
 
     async def complete(
         self, tenant: str, ids: list[int], max_tokens: int, temperature: float, seed: int | None
@@ -439,6 +523,11 @@ class Router:
         async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
             return api_error(400, str(exc), "invalid_request_error", "invalid_request")
 
+        def admin_only(what: str) -> JSONResponse:
+            return api_error(
+                403, f"{what} are shown to the admin key only", "invalid_request_error", "forbidden"
+            )
+
         def unauthorized() -> JSONResponse:
             return api_error(
                 401,
@@ -453,14 +542,8 @@ class Router:
             if tenant is None:
                 router.requests_total.labels("unauthorized").inc()
                 return unauthorized()
-            raw = await request.body()
             try:
-                if len(raw) > MAX_BODY_BYTES:
-                    raise BadRequest(
-                        f"request body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}",
-                        "body_too_large",
-                        status=413,
-                    )
+                raw = await read_body(request)
                 try:
                     body = json.loads(raw)
                 except (ValueError, RecursionError):
@@ -478,7 +561,24 @@ class Router:
                     "server_error",
                     "worker_unavailable",
                 )
-            result = await router.complete(tenant, ids, max_tokens, temperature, seed)
+            # uvicorn never cancels a handler whose client went away: watch for it, so that the
+            # workers hear of it (Router.complete sends the Abort) instead of decoding for nobody.
+            work = asyncio.ensure_future(router.complete(tenant, ids, max_tokens, temperature, seed))
+            gone = asyncio.ensure_future(until_disconnected(request))
+            try:
+                await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not work.done():
+                    work.cancel()
+            if not work.done() or work.cancelled():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                router.requests_total.labels("disconnected").inc()
+                return api_error(
+                    499, "the client closed the connection", "invalid_request_error", "client_closed"
+                )
+            result = work.result()
             if result.status != 200:
                 router.requests_total.labels("rejected" if result.status < 500 else "aborted").inc()
                 return api_error(
@@ -541,7 +641,8 @@ class Router:
 
         @app.get("/v1/minigrid/config")
         async def config(request: Request) -> Response:
-            if router.tenant_of(request.headers.get("authorization")) is None:
+            tenant = router.tenant_of(request.headers.get("authorization"))
+            if tenant is None:
                 return unauthorized()
             c = router.cfg
             return JSONResponse(
@@ -552,7 +653,8 @@ class Router:
                     "prefill_pool_tokens": c.prefill_pool_tokens,
                     "decode_pool_tokens": c.decode_pool_tokens,
                     "fixes": c.fixes.names(),
-                    "tenants": sorted(c.tenants),
+                    # a tenant learns its own name only, never who else the engine serves
+                    "tenants": sorted(c.tenants) if tenant == "admin" else [tenant],
                     "startup_log": router.startup_log,
                 }
             )
@@ -563,14 +665,19 @@ class Router:
             if tenant is None:
                 return unauthorized()
             if tenant != "admin":
-                return api_error(
-                    403,
-                    "the page pools are shown to the admin key only",
-                    "invalid_request_error",
-                    "forbidden",
-                )
+                return admin_only("the page pools")
             snaps = {role: await asyncio.to_thread(router.query, role, "pool") for role in ROLES}
             return JSONResponse(snaps)
+
+        @app.get("/v1/minigrid/integrity")
+        async def integrity(request: Request) -> Response:
+            tenant = router.tenant_of(request.headers.get("authorization"))
+            if tenant is None:
+                return unauthorized()
+            if tenant != "admin":
+                return admin_only("the pool integrity checks")
+            checks = {role: await asyncio.to_thread(router.query, role, "integrity") for role in ROLES}
+            return JSONResponse({"ok": all(c["ok"] for c in checks.values()), **checks})
 
         @app.get("/v1/minigrid/trace")
         async def trace(request: Request, since: int = 0) -> Response:
@@ -582,6 +689,8 @@ class Router:
                 role: await asyncio.to_thread(router.query, role, "trace", since=since, tenant=only)
                 for role in ROLES
             }
+            if only is not None:
+                events = {role: tenant_view(evs, only) for role, evs in events.items()}
             return JSONResponse(events)
 
         return app

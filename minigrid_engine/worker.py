@@ -25,6 +25,7 @@ import torch
 
 from minigrid_engine.config import ServeConfig
 from minigrid_engine.decode import DecodeScheduler
+from minigrid_engine.errors import PoolError
 from minigrid_engine.messages import (
     Abort,
     AbortAck,
@@ -190,6 +191,12 @@ class Worker:
             return self.stats()
         if q.kind == "pool":
             return self.pool.snapshot()
+        if q.kind == "integrity":  # between two steps of this loop: the pool is at rest
+            try:
+                self.pool.check_integrity()
+            except PoolError as exc:
+                return {"ok": False, "error": str(exc), "pages_in_use": self.pool.pages_in_use}
+            return {"ok": True, "error": None, "pages_in_use": self.pool.pages_in_use}
         if q.kind == "trace":
             tenant = q.args.get("tenant")
             events = self.pool.trace.events(since=int(q.args.get("since", 0)))
