@@ -1,0 +1,460 @@
+"""Hostile input at the API: every bad request gets an OpenAI-style 4xx, and the engine stays whole.
+
+One engine (all fixes, the corrected pool) takes malformed, oversized, deeply nested and mistyped
+bodies, bad keys, unknown routes and wrong methods, plus random bodies from hypothesis. After
+that it must still be healthy, still answer a normal request, and hold no KV page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minigrid_engine import router as router_mod
+from minigrid_engine.cli import build_parser
+from minigrid_engine.config import ServeConfig, corrected_preset
+from minigrid_engine.errors import ConfigError
+from minigrid_engine.handle import Engine
+from minigrid_engine.router import MAX_BODY_BYTES, Router, tenant_view
+
+TENANTS = {"alice": "sk-alice", "bob": "sk-bob", "carol": "sk-carol"}
+ALICE = {"Authorization": "Bearer sk-alice"}
+PROMPT = "ALICE pin 48213X; ALICE card QZ7K2M9P; " * 3
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    eng = Engine.start(corrected_preset(tenants=TENANTS))
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def http(engine: Engine) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=engine.url, timeout=60) as client:
+        yield client
+
+
+def assert_api_error(
+    r: httpx.Response, status: int, code: str | None = None, param: str | None = None
+) -> None:
+    """`r` is `status` with an OpenAI error body: {"error": {"message", "type", "code", ...}}."""
+    assert r.status_code == status, r.text[:300]
+    err = r.json()["error"]
+    assert {"message", "type", "code"} <= set(err), err
+    assert isinstance(err["message"], str) and err["message"]
+    assert len(err["message"]) < 400, "the error message echoes the hostile input back"
+    assert err["type"] == "invalid_request_error"
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+# (body as bytes, status, code, param): the request body exactly as a hostile client sends it.
+BODIES: dict[str, tuple[bytes, int, str, str | None]] = {
+    "malformed": (b'{"prompt": "hi"', 400, "invalid_json", None),
+    "empty body": (b"", 400, "invalid_json", None),
+    "trailing garbage": (b'{"prompt": "hi"} x', 400, "invalid_json", None),
+    "list": (b'["hi"]', 400, "invalid_request", None),
+    "string": (b'"hi"', 400, "invalid_request", None),
+    "number": (b"42", 400, "invalid_request", None),
+    "null": (b"null", 400, "invalid_request", None),
+    "invalid utf-8": (b'{"prompt": "\xff\xfe ALICE"}', 400, "invalid_json", None),
+    "lone surrogate": (b'{"prompt": "\\ud800"}', 400, "invalid_prompt", "prompt"),
+    "nested 100k": (nested(100_000), 400, "invalid_json", None),
+    "nested 100k in prompt": (b'{"prompt": ' + nested(100_000) + b"}", 400, "invalid_json", None),
+    "nested 900 in model": (
+        b'{"prompt": "hi", "model": ' + nested(900) + b"}",
+        404,
+        "model_not_found",
+        "model",
+    ),
+    "nested 900 in max_tokens": (
+        b'{"prompt": "hi", "max_tokens": ' + nested(900) + b"}",
+        400,
+        "invalid_type",
+        "max_tokens",
+    ),
+    "5000-digit max_tokens": (
+        b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+        400,
+        "invalid_json",
+        None,
+    ),
+    "NaN temperature literal": (b'{"prompt": "hi", "temperature": NaN}', 400, "invalid_value", "temperature"),
+    "Infinity temperature": (
+        b'{"prompt": "hi", "temperature": Infinity}',
+        400,
+        "invalid_value",
+        "temperature",
+    ),
+}
+
+# (JSON body, status, code, param)
+FIELDS: dict[str, tuple[Any, int, str, str | None]] = {
+    "missing prompt": ({"max_tokens": 4}, 400, "missing_required_parameter", "prompt"),
+    "empty object": ({}, 400, "missing_required_parameter", "prompt"),
+    "empty prompt": ({"prompt": ""}, 400, "invalid_prompt", "prompt"),
+    "prompt int": ({"prompt": 5}, 400, "invalid_type", "prompt"),
+    "prompt null": ({"prompt": None}, 400, "invalid_type", "prompt"),
+    "prompt object": ({"prompt": {"text": "hi"}}, 400, "invalid_type", "prompt"),
+    "prompt bool": ({"prompt": True}, 400, "invalid_type", "prompt"),
+    "prompt empty list": ({"prompt": []}, 400, "invalid_prompt", "prompt"),
+    "two prompts": ({"prompt": ["a", "b"]}, 400, "invalid_type", "prompt"),
+    "token id 256": ({"prompt": [65, 256]}, 400, "invalid_type", "prompt"),
+    "token id -1": ({"prompt": [-1]}, 400, "invalid_type", "prompt"),
+    "token id bool": ({"prompt": [65, True]}, 400, "invalid_type", "prompt"),
+    "token id float": ({"prompt": [65.0]}, 400, "invalid_type", "prompt"),
+    "max_tokens 0": ({"prompt": "hi", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
+    "max_tokens -1": ({"prompt": "hi", "max_tokens": -1}, 400, "invalid_value", "max_tokens"),
+    "max_tokens huge": ({"prompt": "hi", "max_tokens": 10**18}, 400, "context_length_exceeded", "prompt"),
+    "max_tokens float": ({"prompt": "hi", "max_tokens": 4.0}, 400, "invalid_type", "max_tokens"),
+    "max_tokens 4.5": ({"prompt": "hi", "max_tokens": 4.5}, 400, "invalid_type", "max_tokens"),
+    "max_tokens bool": ({"prompt": "hi", "max_tokens": True}, 400, "invalid_type", "max_tokens"),
+    "max_tokens string": ({"prompt": "hi", "max_tokens": "4"}, 400, "invalid_type", "max_tokens"),
+    "max_tokens list": ({"prompt": "hi", "max_tokens": [4]}, 400, "invalid_type", "max_tokens"),
+    "temperature -1": ({"prompt": "hi", "temperature": -1}, 400, "invalid_value", "temperature"),
+    "temperature 1e308": ({"prompt": "hi", "temperature": 1e308}, 400, "invalid_value", "temperature"),
+    "temperature 'NaN'": ({"prompt": "hi", "temperature": "NaN"}, 400, "invalid_value", "temperature"),
+    "temperature bool": ({"prompt": "hi", "temperature": False}, 400, "invalid_value", "temperature"),
+    "seed 2**64": ({"prompt": "hi", "seed": 2**64, "temperature": 0.7}, 400, "invalid_value", "seed"),
+    "seed -2**63-1": ({"prompt": "hi", "seed": -(2**63) - 1}, 400, "invalid_value", "seed"),
+    "seed float": ({"prompt": "hi", "seed": 1.5}, 400, "invalid_type", "seed"),
+    "stream true": ({"prompt": "hi", "stream": True}, 400, "unsupported_parameter", "stream"),
+    "stream 'false'": ({"prompt": "hi", "stream": "false"}, 400, "invalid_type", "stream"),
+    "n 2": ({"prompt": "hi", "n": 2}, 400, "unsupported_parameter", "n"),
+    "n true": ({"prompt": "hi", "n": True}, 400, "invalid_type", "n"),
+    "unknown model": ({"prompt": "hi", "model": "gpt-5"}, 404, "model_not_found", "model"),
+    "over the context": ({"prompt": "x" * 1020, "max_tokens": 16}, 400, "context_length_exceeded", "prompt"),
+    "3 MB prompt": ({"prompt": "x" * 3 * 2**20}, 400, "context_length_exceeded", "prompt"),
+}
+
+# Authorization headers that must not get in (None: no header at all).
+BAD_AUTH: list[bytes | None] = [
+    None,
+    b"",
+    b"Bearer",
+    b"Bearer ",
+    b"Bearer    ",
+    b"Basic c2stYWxpY2U6",
+    b"Token sk-alice",
+    b"sk-alice",
+    b"Bearer sk-alic",
+    b"Bearer sk-alice2",
+    b"Bearer sk-bobx",
+    b"Bearer sk-alice sk-bob",
+    b"Bearer " + b"k" * 8000,
+    b"Bearer sk-\xe9lice",
+    b"Bearer sk-\xffalice",
+]
+
+
+@pytest.mark.parametrize("name", list(BODIES))
+def test_hostile_bodies(http: httpx.Client, name: str) -> None:
+    body, status, code, param = BODIES[name]
+    r = http.post("/v1/completions", content=body, headers={**ALICE, "Content-Type": "application/json"})
+    assert_api_error(r, status, code, param)
+
+
+@pytest.mark.parametrize("name", list(FIELDS))
+def test_hostile_fields(http: httpx.Client, name: str) -> None:
+    body, status, code, param = FIELDS[name]
+    assert_api_error(http.post("/v1/completions", json=body, headers=ALICE), status, code, param)
+
+
+def raw_request(engine: Engine, head: bytes, body: bytes = b"") -> tuple[int, dict[str, Any]]:
+    """Send bytes as they are (httpx refuses some hostile headers) and read the reply."""
+    host, port = engine.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(head + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+@pytest.mark.parametrize("auth", BAD_AUTH, ids=lambda a: repr(a)[:20])
+def test_bad_keys_get_401(engine: Engine, auth: bytes | None) -> None:
+    line = b"" if auth is None else b"Authorization: " + auth + b"\r\n"
+    for method, path in (
+        (b"POST", b"/v1/completions"),
+        (b"GET", b"/v1/models"),
+        (b"GET", b"/v1/minigrid/trace"),
+    ):
+        head = method + b" " + path + b" HTTP/1.1\r\nHost: x\r\n" + line
+        status, body = raw_request(engine, head, b'{"prompt": "hi", "max_tokens": 1}')
+        assert status == 401, body
+        assert body["error"]["code"] == "invalid_api_key" and body["error"]["type"] == "invalid_request_error"
+
+
+def test_tenant_keys_never_open_the_admin_views(http: httpx.Client) -> None:
+    for path in ("/v1/minigrid/pools", "/v1/minigrid/integrity"):
+        assert_api_error(http.get(path, headers=ALICE), 403, "forbidden")
+
+
+ROUTES = [
+    ("GET", "/v1/completions", 405, "method_not_allowed"),
+    ("PUT", "/v1/completions", 405, "method_not_allowed"),
+    ("DELETE", "/v1/completions", 405, "method_not_allowed"),
+    ("POST", "/health", 405, "method_not_allowed"),
+    ("POST", "/metrics", 405, "method_not_allowed"),
+    ("GET", "/v1/chat/completions", 404, "not_found"),
+    ("POST", "/v1/completion", 404, "not_found"),
+    ("GET", "/", 404, "not_found"),
+    ("GET", "/v1/minigrid/../../etc/passwd", 404, "not_found"),
+    ("GET", "/v1/minigrid/trace?since=abc", 400, "invalid_request"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "status", "code"), ROUTES)
+def test_unknown_routes_and_wrong_methods(
+    http: httpx.Client, method: str, path: str, status: int, code: str
+) -> None:
+    assert_api_error(http.request(method, path, headers=ALICE), status, code)
+
+
+def test_an_oversized_body_is_refused_by_its_declared_length(engine: Engine) -> None:
+    """50 MB declared, a dozen bytes sent: the 413 comes at once, before any of the rest is read."""
+    host, port = engine.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-alice\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 50000000\r\n\r\n{"prompt": "'
+        )
+        head = s.recv(65536).split(b"\r\n", 1)[0]
+    assert b" 413 " in head, head
+
+
+def test_an_oversized_body_is_refused_while_it_streams(http: httpx.Client) -> None:
+    sent = [0]
+
+    def chunks() -> Iterator[bytes]:  # chunked: no length declared
+        yield b'{"prompt": "'
+        for _ in range(128):
+            sent[0] += 65536
+            yield b"x" * 65536
+        yield b'"}'
+
+    r = http.post("/v1/completions", content=chunks(), headers=ALICE)
+    assert_api_error(r, 413, "body_too_large")
+    assert str(MAX_BODY_BYTES) in r.json()["error"]["message"]
+    r = http.post("/v1/completions", content=b'{"prompt": "' + b"x" * 8 * 2**20 + b'"}', headers=ALICE)
+    assert_api_error(r, 413, "body_too_large")
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [PROMPT, [PROMPT], list(PROMPT.encode()), [list(PROMPT.encode())], "   ", "\n", "\u00e9\u20ac", "\x00"],
+    ids=[
+        "string",
+        "one-string batch",
+        "token ids",
+        "one-token-list batch",
+        "spaces",
+        "newline",
+        "utf8",
+        "nul",
+    ],
+)
+def test_prompt_forms_openai_accepts(http: httpx.Client, prompt: Any) -> None:
+    """A string, a list of token ids (bytes here), or a batch of one; whitespace is a prompt too."""
+    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3}, headers=ALICE)
+    assert r.status_code == 200, r.text
+    n = len(prompt.encode()) if isinstance(prompt, str) else None
+    if n is not None:
+        assert r.json()["usage"]["prompt_tokens"] == n
+
+
+def test_the_auth_scheme_is_case_insensitive(http: httpx.Client) -> None:
+    r = http.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers={"Authorization": "bearer sk-bob"}
+    )
+    assert r.status_code == 200, r.text
+
+
+# -- random bodies ---------------------------------------------------------------------------
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+# Valid max_tokens stay small (a long decode would only slow the test); the rest is anything.
+MAX_TOKENS = (
+    st.integers(-3, 6)
+    | st.integers(min_value=2000)
+    | st.integers(max_value=-1)
+    | JSON.filter(lambda v: isinstance(v, bool) or not isinstance(v, int))
+)
+PROMPTS = (
+    st.text(max_size=40)
+    | st.lists(st.integers(-2, 300), max_size=12)
+    | st.lists(st.text(max_size=8), max_size=3)
+    | JSON
+)
+BODY = (
+    st.fixed_dictionaries(
+        {"max_tokens": MAX_TOKENS},
+        optional={
+            "prompt": PROMPTS,
+            "temperature": st.floats() | st.integers(-3, 3) | JSON,
+            "seed": st.integers() | JSON,
+            "n": JSON,
+            "stream": JSON,
+            "model": st.just("minigrid-byte") | JSON,
+            "stop": JSON,
+            "logprobs": JSON,
+        },
+    )
+    | JSON
+)
+
+
+def _check_reply(r: httpx.Response) -> None:
+    assert r.status_code < 500, r.text[:300]
+    if r.status_code == 200:
+        data = r.json()
+        assert isinstance(data["choices"][0]["text"], str)
+        assert data["usage"]["prompt_tokens"] >= 1
+    else:
+        assert_api_error(r, r.status_code)
+
+
+@settings(max_examples=80, deadline=None, database=None)
+@given(body=BODY)
+def test_random_json_bodies_never_break_the_engine(http: httpx.Client, body: Any) -> None:
+    _check_reply(http.post("/v1/completions", content=json.dumps(body).encode(), headers=ALICE))
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(raw=st.binary(max_size=300))
+def test_random_bytes_never_break_the_engine(http: httpx.Client, raw: bytes) -> None:
+    _check_reply(http.post("/v1/completions", content=raw, headers=ALICE))
+
+
+# -- client disconnects ----------------------------------------------------------------------
+def test_a_client_that_leaves_frees_its_pages_at_once(engine: Engine) -> None:
+    """The router tells the workers when the client goes; decode stops and gives its pages back."""
+
+    async def leave() -> None:
+        async with httpx.AsyncClient(base_url=engine.url) as client:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 800}, headers=ALICE),
+                    0.6,
+                )
+
+    asyncio.run(leave())
+    assert wait_pages_free(engine, timeout_s=3), engine.metrics()  # 800 tokens would take ~10 s
+    ends = [
+        e for e in engine.trace()["decode"] if e["kind"] == "state" and e["detail"].get("to") == "finished"
+    ]
+    assert ends[-1]["detail"]["outcome"] == "aborted" and ends[-1]["detail"]["error"] == "client disconnected"
+
+
+# -- tenancy ---------------------------------------------------------------------------------
+def test_tenants_see_only_their_own_requests(engine: Engine) -> None:
+    with httpx.Client(base_url=engine.url, timeout=60) as c:
+        for tenant, key in TENANTS.items():
+            body = {"prompt": f"{tenant.upper()} pin 123456; " * 6, "max_tokens": 4}
+            assert c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}).is_success
+        for tenant, key in TENANTS.items():
+            h = {"Authorization": f"Bearer {key}"}
+            events = c.get("/v1/minigrid/trace", headers=h).json()
+            mine = [e for evs in events.values() for e in evs]
+            assert mine and {e["tenant"] for e in mine} == {tenant}
+            assert all(e["request"] is None or e["request"].startswith(f"{tenant}-") for e in mine)
+            text = json.dumps(events)
+            for other in set(TENANTS) - {tenant}:
+                assert other not in text, f"{tenant}'s trace names {other}"
+            assert c.get("/v1/minigrid/config", headers=h).json()["tenants"] == [tenant]
+
+
+def test_tenant_view_names_no_other_request() -> None:
+    events = [
+        {"tenant": "bob", "request": "bob-7", "detail": {"owners": ["bob-7", "alice-3", None]}},
+        {"tenant": "alice", "request": "alice-3", "detail": {}},
+    ]
+    assert tenant_view(events, "bob") == [
+        {"tenant": "bob", "request": "bob-7", "detail": {"owners": ["bob-7", "another request", None]}}
+    ]
+
+
+def test_the_server_binds_loopback_by_default(engine: Engine) -> None:
+    assert ServeConfig().host == "127.0.0.1" and ServeConfig().transfer_host == "127.0.0.1"
+    assert build_parser().parse_args(["serve"]).host == "127.0.0.1"
+    assert engine.url.startswith("http://127.0.0.1:")
+    assert engine.proc is not None
+    router = psutil.Process(engine.proc.pid)
+    listening = [
+        c.laddr.ip
+        for p in (router, *router.children(recursive=True))
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert listening and set(listening) == {"127.0.0.1"}, listening
+
+
+def test_keys_are_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every key is compared with hmac.compare_digest, and every tenant's is, match or not."""
+    calls: list[bytes] = []
+    real = router_mod.hmac.compare_digest
+
+    def counting(a: bytes, b: bytes) -> bool:
+        calls.append(b)
+        return real(a, b)
+
+    monkeypatch.setattr(router_mod.hmac, "compare_digest", counting)
+    r = Router(ServeConfig(tenants=TENANTS, admin_key="sk-admin"))
+    for header, tenant in (
+        ("Bearer sk-alice", "alice"),
+        ("Bearer sk-nobody", None),
+        ("Bearer sk-admin", "admin"),
+    ):
+        calls.clear()
+        assert r.tenant_of(header) == tenant
+        assert len(calls) == len(TENANTS) + 1  # no early exit on the first match
+    with pytest.raises(ConfigError, match="empty API key"):
+        ServeConfig(tenants={"alice": " "})
+
+
+# -- afterwards ------------------------------------------------------------------------------
+def pages_in_use(engine: Engine) -> dict[str, float]:
+    m = engine.metrics()
+    return {role: m[f'minigrid_kv_pages_in_use{{role="{role}"}}'] for role in ("prefill", "decode")}
+
+
+def wait_pages_free(engine: Engine, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(pages_in_use(engine).values()):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_after_all_that_the_engine_is_whole(engine: Engine, http: httpx.Client) -> None:
+    """Runs last in this module: healthy, serving, no page held, the pools' bookkeeping intact."""
+    status, body = engine.health()
+    assert status == 200, body
+    r = engine.complete("alice", PROMPT, max_tokens=8)
+    assert r.ok and "ALICE" in r.text, r
+    assert wait_pages_free(engine), pages_in_use(engine)
+    check = http.get("/v1/minigrid/integrity", headers={"Authorization": f"Bearer {engine.admin_key}"}).json()
+    assert check["ok"], check
+    assert all(p["owner"] is None for role in engine.pools().values() for p in role)
