@@ -105,7 +105,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise MinigridError("give a prompt with --prompt TEXT or --prompt-file PATH")
     ids = ByteTokenizer().encode(prompt)  # bad prompts fail before the model loads
     pool = _pool_config(args, 2 * args.context_length)
-    engine = Engine(pool=pool, context_length=args.context_length)
+    engine = Engine(pool=pool, context_length=args.context_length, attention=args.attention)
     print(engine.pool.describe(), file=sys.stderr)
     req = engine.submit(args.tenant, ids, args.max_tokens, args.temperature)
     engine.run()
@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=positive_int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--context-length", type=positive_int, default=1024)
+    g.add_argument(
+        "--attention", choices=["torch", "triton"], default="torch", help="paged attention backend (torch)"
+    )
     _add_pool_flags(g)
     g.set_defaults(func=cmd_generate)
 

@@ -7,6 +7,7 @@ pages), corrected pool 2,048 (about 2.04 M, twice the context).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
@@ -92,9 +93,10 @@ class ServeConfig:
             raise ConfigError(f"--device {self.device!r}: choose cpu or cuda")
         if self.attention not in ("torch", "triton"):
             raise ConfigError(f"--attention {self.attention!r}: choose torch or triton")
-        if self.attention == "triton":
+        if self.attention == "triton" and importlib.util.find_spec("triton") is None:
             raise ConfigError(
-                "--attention triton: the Triton kernels are not built yet; use --attention torch"
+                "--attention triton: Triton is not installed (pip install 'minigrid[kernels]'); "
+                "use --attention torch"
             )
         if not self.tenants:
             raise ConfigError("at least one tenant is needed (--tenants NAME:KEY)")

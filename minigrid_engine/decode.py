@@ -53,7 +53,7 @@ class DecodeScheduler:
         self.fixes = cfg.fixes
         self.pool = pool
         self.trace = pool.trace
-        self.runner = ModelRunner(model, pool, owner_check=cfg.fixes.owner_check)
+        self.runner = ModelRunner(model, pool, owner_check=cfg.fixes.owner_check, attention=cfg.attention)
         self.send_router = send_router
         self.send_prefill = send_prefill
         self.bootstrapping: dict[int, Request] = {}

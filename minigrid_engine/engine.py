@@ -82,6 +82,7 @@ class Engine:
         device: str | torch.device = "cpu",
         trace: Trace | None = None,
         max_batch: int = 64,
+        attention: str = "torch",
     ) -> None:
         if context_length < 1:
             raise ConfigError(f"context length must be at least 1 token, got {context_length}")
@@ -92,7 +93,7 @@ class Engine:
         self.pool = KVPool(
             pool or PoolConfig(2 * context_length), self.model.cfg, "engine", self.trace, device
         )
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, attention=attention)  # torch | triton
         self.max_batch = max_batch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -71,7 +71,7 @@ class PrefillScheduler:
         self.fixes = cfg.fixes
         self.pool = pool
         self.trace = pool.trace
-        self.runner = ModelRunner(model, pool)
+        self.runner = ModelRunner(model, pool, attention=cfg.attention)
         self.send_router = send_router
         self.send_decode = send_decode
         self.bootstrap_queue: deque[Request] = deque()

@@ -4,15 +4,21 @@ The runner knows nothing of queues, processes or who should own what. It is told
 and a length, writes this step's K/V into those pages, attends over the first `kv_len` tokens of
 those pages, and records one write and one read event per request. Handing it a block table whose
 pages hold another request's K/V is exactly what the faulty engine did.
+
+The paged attention itself comes from a backend, `attention_ops("torch")` (`attention.py`) or
+`attention_ops("triton")` (`kernels.py`): the same four functions, the same results, so the
+trace and the owner-check behave the same whichever does the arithmetic.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from minigrid_engine import attention
+from minigrid_engine.errors import ConfigError
 from minigrid_engine.model import Transformer
 from minigrid_engine.pool import KVPool
 from minigrid_engine.request import Request
@@ -37,16 +43,75 @@ class DecodeItem:
         )
 
 
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    """The paged-attention functions a backend provides, with `attention.py`'s signatures.
+
+    decode_checked(q, k_cache, v_cache, block_tables, seq_lens, page_tags, reader_tags) returns
+    (output, foreign): decode plus the `owner-check` flags of `attention.foreign_pages`.
+    """
+
+    name: str
+    write_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    prefill: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+    decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    decode_checked: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _torch_decode_checked(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_tags: torch.Tensor,
+    reader_tags: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    foreign = attention.foreign_pages(page_tags, reader_tags, block_tables, seq_lens, k_cache.shape[1])
+    return attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens), foreign
+
+
+def attention_ops(name: str = "torch") -> AttentionOps:
+    """The backend called `name`; "triton" imports the kernels (and Triton) only when asked for."""
+    if name == "torch":
+        return AttentionOps(
+            "torch",
+            attention.write_kv,
+            attention.paged_prefill_attention,
+            attention.paged_decode_attention,
+            _torch_decode_checked,
+        )
+    if name == "triton":
+        try:
+            from minigrid_engine import kernels  # sets TRITON_INTERPRET=1 first when there is no GPU
+        except ImportError as exc:
+            raise ConfigError(f"--attention triton is unavailable ({exc}); use --attention torch") from exc
+        return AttentionOps(
+            "triton",
+            kernels.write_kv,
+            kernels.paged_prefill_attention,
+            kernels.paged_decode_attention,
+            kernels.paged_decode_attention_checked,
+        )
+    raise ConfigError(f"attention {name!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+
+
 class _PagedPrefill:
     """Attention backend for one request's prompt chunk at positions start..start+T-1."""
 
-    def __init__(self, pool: KVPool, block_table: torch.Tensor, start: int, slots: torch.Tensor):
+    def __init__(
+        self, pool: KVPool, block_table: torch.Tensor, start: int, slots: torch.Tensor, ops: AttentionOps
+    ):
         self.pool, self.block_table, self.start, self.slots = pool, block_table, start, slots
+        self.ops = ops
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.pool.k[layer], self.pool.v[layer]
-        attention.write_kv(kc, vc, self.slots, k[0], v[0])
-        return attention.paged_prefill_attention(q[0], kc, vc, self.block_table, self.start)[None]
+        self.ops.write_kv(kc, vc, self.slots, k[0], v[0])
+        return self.ops.prefill(q[0], kc, vc, self.block_table, self.start)[None]
 
 
 class _PagedDecode:
@@ -59,30 +124,36 @@ class _PagedDecode:
         seq_lens: torch.Tensor,
         slots: torch.Tensor,
         reader_tags: torch.Tensor | None = None,
+        ops: AttentionOps | None = None,
     ):
         self.pool, self.block_tables, self.seq_lens, self.slots = pool, block_tables, seq_lens, slots
         self.reader_tags = reader_tags
+        self.ops = ops or attention_ops("torch")
         self.foreign: torch.Tensor | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.pool.k[layer], self.pool.v[layer]
-        attention.write_kv(kc, vc, self.slots, k[:, 0], v[:, 0])
-        if self.reader_tags is not None and self.foreign is None:  # fix `owner-check`
-            self.foreign = attention.foreign_pages(
-                self.pool.writer_tags, self.reader_tags, self.block_tables, self.seq_lens, self.pool.page_size
+        self.ops.write_kv(kc, vc, self.slots, k[:, 0], v[:, 0])
+        if self.reader_tags is not None and self.foreign is None:  # fix `owner-check`, at the first read
+            out, self.foreign = self.ops.decode_checked(
+                q[:, 0], kc, vc, self.block_tables, self.seq_lens, self.pool.writer_tags, self.reader_tags
             )
-        out = attention.paged_decode_attention(q[:, 0], kc, vc, self.block_tables, self.seq_lens)
+        else:
+            out = self.ops.decode(q[:, 0], kc, vc, self.block_tables, self.seq_lens)
         return out[:, None]
 
 
 class ModelRunner:
     """Prefill and batched decode of `model` over the pages of `pool`."""
 
-    def __init__(self, model: Transformer, pool: KVPool, owner_check: bool = False) -> None:
+    def __init__(
+        self, model: Transformer, pool: KVPool, owner_check: bool = False, attention: str = "torch"
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.k.device
         self.owner_check = owner_check
+        self.ops = attention_ops(attention)  # "torch" or "triton": same results, same trace
         # After each decode(): request -> pages it was about to read that someone else wrote last.
         self.violations: dict[str, list[int]] = {}
 
@@ -106,7 +177,7 @@ class ModelRunner:
         positions = torch.arange(start, end, device=self.device)
         slots = attention.slot_ids(table, positions, self.pool.page_size)
         tokens = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        logits = self.model(tokens, positions[None], _PagedPrefill(self.pool, table, start, slots))
+        logits = self.model(tokens, positions[None], _PagedPrefill(self.pool, table, start, slots, self.ops))
         written = self._pages_covering(pages, start, end)
         self.pool.note_write(request, tenant, written)
         trace = self.pool.trace
@@ -140,7 +211,7 @@ class ModelRunner:
                 [(it.request, it.tenant, it.pages[it.position // p]) for it in items if it.position % p == 0]
             )
             reader_tags = torch.tensor([self.pool.tag_of(it.request) for it in items], device=self.device)
-        backend = _PagedDecode(self.pool, table, positions + 1, slots, reader_tags)
+        backend = _PagedDecode(self.pool, table, positions + 1, slots, reader_tags, self.ops)
         logits = self.model(tokens, positions[:, None], backend)
         self.violations = {}
         if backend.foreign is not None:

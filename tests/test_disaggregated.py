@@ -218,7 +218,7 @@ def test_router_killed_outright_leaves_no_orphans() -> None:
         (["--tenants", "alice"], "tenant 'alice' must be NAME:KEY"),
         (["--port", "70000"], "--port 70000 is not a TCP port"),
         (["--context-length", "lots"], "'lots' is not a whole number"),
-        (["--attention", "triton"], "the Triton kernels are not built yet"),
+        (["--attention", "flash"], "invalid choice: 'flash'"),
         (["--device", "cuda", "--fixes", "none"], "--device cuda: no CUDA device is visible"),
     ],
 )

@@ -1,0 +1,200 @@
+"""The Triton kernels equal the torch paged attention, and the incident reads the same through them.
+
+On a machine without CUDA the kernels run under Triton's interpreter (`kernels` sets
+TRITON_INTERPRET=1 before Triton is imported), which runs every program of the grid in Python:
+shapes and grids stay small here.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+# through the module: it sets TRITON_INTERPRET before Triton is imported (not after)
+kernels = pytest.importorskip("minigrid_engine.kernels")
+
+from minigrid_engine import attention  # noqa: E402
+from minigrid_engine.engine import Engine  # noqa: E402
+from minigrid_engine.model import load_model  # noqa: E402
+from minigrid_engine.pool import PoolConfig  # noqa: E402
+from minigrid_engine.records import record_prompt  # noqa: E402
+from minigrid_engine.runner import DecodeItem, ModelRunner, sample  # noqa: E402
+
+CODE = re.compile(r"\b[A-Z0-9]{6,10}\b")
+PAGES = [1, 3, 4, 16, 64, 100, 128]  # powers of two and not
+TILES = [None, kernels.Tiles(block_n=16, block_m=16)]  # the default, and many small steps
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model()
+
+
+def _paged(lens: list[int], page: int, kv_heads: int, d: int, gen: torch.Generator):
+    """Random caches; each request reads random distinct pages through a padded block table."""
+    n_pages = sum(-(-n // page) for n in lens) + 2
+    k_cache = torch.randn(n_pages, page, kv_heads, d, generator=gen)
+    v_cache = torch.randn(n_pages, page, kv_heads, d, generator=gen)
+    free = torch.randperm(n_pages, generator=gen).tolist()
+    tables = []
+    for n in lens:
+        need = -(-n // page)
+        tables.append(free[:need])
+        free = free[need:]
+    width = max(len(t) for t in tables)
+    # padding entries point at some other page: the kernel must never read them
+    table = torch.tensor([t + [free[0] if free else 0] * (width - len(t)) for t in tables])
+    return k_cache, v_cache, table
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 150), min_size=1, max_size=3),
+    page=st.sampled_from(PAGES),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 4]),
+    d=st.sampled_from([8, 32]),
+    splits=st.sampled_from([1, 2, 3]),
+    tiles=st.sampled_from(TILES),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_kernel_matches_torch(lens, page, kv_heads, group, d, splits, tiles, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, table = _paged(lens, page, kv_heads, d, gen)
+    q = torch.randn(len(lens), kv_heads * group, d, generator=gen)
+    seq_lens = torch.tensor(lens)
+    ref = attention.paged_decode_attention(q, k_cache, v_cache, table, seq_lens)
+    run = kernels.decode(q, k_cache, v_cache, table, seq_lens, num_splits=splits, tiles=tiles, record=True)
+    torch.testing.assert_close(run.out, ref, atol=1e-5, rtol=1e-5)
+    # the kernel read exactly the request's pages, in block-table order, and no padding entry
+    assert run.pages_read is not None
+    for b, n in enumerate(lens):
+        blocks = -(-n // page)
+        for h in range(kv_heads):
+            assert run.pages_read[b, h, :blocks].tolist() == table[b, :blocks].tolist()
+            assert (run.pages_read[b, h, blocks:] == -1).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 100), min_size=1, max_size=3),
+    page=st.sampled_from(PAGES),
+    splits=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_owner_check_kernel_flags_what_foreign_pages_flags(lens, page, splits, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, table = _paged(lens, page, 2, 16, gen)
+    q = torch.randn(len(lens), 4, 16, generator=gen)
+    seq_lens = torch.tensor(lens)
+    page_tags = torch.randint(0, 3, (k_cache.shape[0],), generator=gen)
+    reader_tags = torch.randint(0, 3, (len(lens),), generator=gen)
+    out, foreign = kernels.paged_decode_attention_checked(
+        q, k_cache, v_cache, table, seq_lens, page_tags, reader_tags, num_splits=splits
+    )
+    expected = attention.foreign_pages(page_tags, reader_tags, table, seq_lens, page)
+    assert foreign.dtype == torch.bool and torch.equal(foreign, expected)
+    ref = attention.paged_decode_attention(q, k_cache, v_cache, table, seq_lens)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 150),
+    start_frac=st.floats(0, 0.9),
+    page=st.sampled_from(PAGES),
+    group=st.sampled_from([1, 2]),
+    tiles=st.sampled_from(TILES),
+    seed=st.integers(0, 2**16),
+)
+def test_prefill_and_write_kernels_match_torch(n, start_frac, page, group, tiles, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    kh, d = 2, 32
+    keys, vals = torch.randn(n, kh, d, generator=gen), torch.randn(n, kh, d, generator=gen)
+    n_pages = -(-n // page) + 3
+    table = torch.randperm(n_pages, generator=gen)[: -(-n // page)]
+    k_cache = torch.randn(n_pages, page, kh, d, generator=gen) * 10
+    v_cache = torch.randn(n_pages, page, kh, d, generator=gen) * 10
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slots = attention.slot_ids(table, torch.arange(n), page)
+    kernels.write_kv(k_cache, v_cache, slots, keys, vals)
+    attention.write_kv(k_ref, v_ref, slots, keys, vals)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # and no other slot moved
+    start = int(start_frac * n)
+    q = torch.randn(n - start, kh * group, d, generator=gen)
+    out = kernels.paged_prefill_attention(q, k_cache, v_cache, table, start, tiles=tiles)
+    ref = attention.paged_prefill_attention(q, k_ref, v_ref, table, start)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_half_precision_accumulates_in_float32() -> None:
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache, table = _paged([40, 7], 16, 2, 32, gen)
+    q = torch.randn(2, 4, 32, generator=gen)
+    seq_lens = torch.tensor([40, 7])
+    ref = attention.paged_decode_attention(q, k_cache, v_cache, table, seq_lens)
+    half = [t.half() for t in (q, k_cache, v_cache)]
+    out = kernels.paged_decode_attention(half[0], half[1], half[2], table, seq_lens, num_splits=2)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_largest_page_and_bad_shapes() -> None:
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache, table = _paged([300], 4096, 1, 8, gen)
+    q = torch.randn(1, 2, 8, generator=gen)
+    seq_lens = torch.tensor([300])
+    torch.testing.assert_close(
+        kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens),
+        attention.paged_decode_attention(q, k_cache, v_cache, table, seq_lens),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    with pytest.raises(ValueError, match="not fit"):
+        kernels.paged_decode_attention(torch.randn(1, 2, 16), k_cache, v_cache, table, seq_lens)
+    with pytest.raises(ValueError, match="need 1 pages, block table has 0"):
+        kernels.paged_prefill_attention(q, k_cache, v_cache, table[0, :0], 0)
+
+
+def test_greedy_completions_are_identical_with_triton_and_torch(model) -> None:
+    prompts = ["ALICE card QZ7K2M9P; ALICE card QZ7K2M9P; ALICE card", "hello world. hello world. hello"]
+    texts = {}
+    for backend in ("torch", "triton"):
+        engine = Engine(model=model, pool=PoolConfig(512, 16), context_length=256, attention=backend)
+        done = engine.generate("t", prompts, max_tokens=12)  # ragged batch of two, three pages each
+        texts[backend] = [(c.token_ids, c.text) for c in done]
+        engine.pool.check_integrity()
+    assert texts["triton"] == texts["torch"]
+    assert texts["torch"][0][1].startswith(" QZ7K2M9P")  # the model copied its own card
+
+
+def test_stale_block_table_leaks_through_the_triton_kernel_and_owner_check_flags_it(model) -> None:
+    """tests/test_model.py's leak, every read through the kernels: bob decodes over alice's pages."""
+    rng = random.Random(3)
+    engine = Engine(model=model, pool=PoolConfig(2048, 128), context_length=1024, attention="triton")
+    alice_prompt = record_prompt("alice", 640, rng, 9)
+    [a] = engine.generate("alice", [alice_prompt], max_tokens=4)
+    alice_codes = set(re.findall(r"ALICE [a-z]+ ([A-Z0-9]{6,10});", alice_prompt))
+
+    pool = engine.pool
+    runner = ModelRunner(model, pool, owner_check=True, attention="triton")
+    bob = pool.reserve("bob-1", "bob", 640 + 32)  # alice's freed pages, in the same order
+    logits = runner.prefill("bob-1", "bob", [0], bob.pages)  # a one-token stub: page 0 only
+    out = [sample(logits, 0.0)]
+    flagged = []
+    for step in range(24):
+        item = DecodeItem("bob-1", "bob", out[-1], 640 + step, bob.pages)
+        out.append(sample(runner.decode([item])[0], 0.0))
+        flagged.append(runner.violations.get("bob-1", []))
+    text = engine.tokenizer.decode(out)
+    assert set(CODE.findall(text)) & alice_codes, f"bob's answer {text!r} should hold alice's codes"
+    # the kernel's owner-check saw it at every step: blocks 2-5 were last written by alice
+    assert all(f == bob.pages[1:5] for f in flagged), flagged
+    assert {pool.pages[p].last_writer for p in bob.pages[1:5]} == {a.request_id}
+    pool.release("bob-1")
+    pool.check_integrity()
