@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from minigrid_engine.config import DEFAULT_TENANTS, ServeConfig, incident_preset
 from minigrid_engine.errors import MinigridError
 from minigrid_engine.fixes import Fixes, parse_fixes
+from minigrid_engine.forensics import pages_read
 from minigrid_engine.router import free_port
 
 
@@ -218,31 +219,6 @@ class Engine:
     def pages_read_by(self, request_id: str) -> Iterator[dict[str, Any]]:
         """Decode pages the request's attention read, with who last wrote each before it."""
         yield from pages_read(self.trace()["decode"], request_id)
-
-
-def pages_read(events: list[dict[str, Any]], request_id: str) -> Iterator[dict[str, Any]]:
-    """From a role's trace: each page `request_id` read, and who had last written it when the
-    request started decoding (its own transfer counts as its own; its later decode writes do not
-    hide whose data filled the rest of the page)."""
-    writer: dict[int, tuple[str | None, str | None]] = {}
-    frozen: dict[int, tuple[str | None, str | None]] | None = None
-    seen: set[int] = set()
-    for e in events:
-        if e["kind"] == "write":
-            for p in e["pages"]:
-                writer[p] = (e["request"], e["tenant"])
-        elif e["kind"] == "scrub":  # zeroed: written by nobody
-            for p in e["pages"]:
-                writer[p] = (None, None)
-        elif e["kind"] == "state" and e["request"] == request_id and e["detail"].get("to") == "decoding":
-            frozen = dict(writer)
-        elif e["kind"] == "read" and e["request"] == request_id:
-            at_start = frozen if frozen is not None else writer
-            for i, p in enumerate(e["pages"]):
-                if p not in seen:
-                    seen.add(p)
-                    req, tenant = at_start.get(p, (None, None))
-                    yield {"page": p, "block": i, "last_writer": req, "last_writer_tenant": tenant}
 
 
 def _flags(cfg: ServeConfig) -> list[str]:

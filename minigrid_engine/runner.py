@@ -223,7 +223,15 @@ class ModelRunner:
         self.pool.note_writes([(it.request, it.tenant, it.pages[it.position // p]) for it in items])
         for it in items:
             page = it.pages[it.position // p]
-            trace.emit(WRITE, it.request, it.tenant, [page], start=it.position, end=it.position + 1)
+            trace.emit(
+                WRITE,
+                it.request,
+                it.tenant,
+                [page],
+                start=it.position,
+                end=it.position + 1,
+                offset=it.position % p,
+            )
             trace.emit(
                 READ,
                 it.request,

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from minigrid_engine.canary import CanaryHarness, Finding, TTFTFloor
-from minigrid_engine.handle import Reply, pages_read
+from minigrid_engine.forensics import AffectedResponse, affected_responses, pages_read
+from minigrid_engine.handle import Reply
 from minigrid_engine.records import record_prompt
 
 RECORD = re.compile(r"([A-Z]+) ([a-z]+) ([A-Z0-9]{6,10});")
@@ -223,3 +224,102 @@ def run_late_transfer(
         and any(o is not None and o != e["request"] for o in e["detail"].get("owners", []))
     ]
     return LateTransferReport(slow_tenant, victim, slow_reply, reply, foreign, writes)
+
+
+@dataclass
+class DayRequest:
+    tenant: str
+    prompt_tokens: int
+    reply: Reply
+    finding: Finding
+
+
+@dataclass
+class DayReport:
+    """A replayed day of traffic, counted the way the postmortem counted its 155 responses."""
+
+    requests: list[DayRequest]
+    affected: list[AffectedResponse]  # read another tenant's pages (forensics, from the trace)
+    threshold_tokens: int  # the prefill pool: only prompts longer than this can be affected
+
+    def _by_id(self) -> dict[str, DayRequest]:
+        return {r.reply.request_id: r for r in self.requests if r.reply.request_id}
+
+    @property
+    def served(self) -> int:
+        return sum(r.reply.ok for r in self.requests)
+
+    @property
+    def over_threshold(self) -> int:
+        return sum(r.prompt_tokens > self.threshold_tokens for r in self.requests)
+
+    @property
+    def affected_served(self) -> list[DayRequest]:
+        """Affected responses the client received with HTTP 200 (what the postmortem counted)."""
+        by_id = self._by_id()
+        return [by_id[a.request] for a in self.affected if a.request in by_id and by_id[a.request].reply.ok]
+
+    @property
+    def with_foreign_canaries(self) -> int:
+        """Responses whose text holds another tenant's canary: the part a reader can see."""
+        return sum(r.finding.leak for r in self.requests)
+
+    def shortest_affected_prompt(self) -> int | None:
+        return min((r.prompt_tokens for r in self.affected_served), default=None)
+
+    def table(self) -> str:
+        short = self.shortest_affected_prompt()
+        return "\n".join(
+            [
+                f"requests replayed           {len(self.requests):>5}",
+                f"answered HTTP 200           {self.served:>5}",
+                f"prompts over {self.threshold_tokens} tokens      {self.over_threshold:>5}",
+                f"affected responses (200)    {len(self.affected_served):>5}   read another tenant's pages",
+                f"  with foreign canaries     {self.with_foreign_canaries:>5}   the secrets are in the text",
+                f"shortest affected prompt    {short if short is not None else '-':>5}   tokens",
+            ]
+        )
+
+
+def replay_day(
+    engine: Handle,
+    *,
+    context_length: int,
+    prefill_pool_tokens: int,
+    tenants: tuple[str, ...] = ("alice", "bob"),
+    requests: int = 40,
+    long_share: float = 0.15,
+    max_tokens: int = 16,
+    concurrency: int = 3,
+    seed: int = 0,
+    progress: bool = True,
+) -> DayReport:
+    """Replay a day of ordinary traffic: most prompts fit the prefill pool, `long_share` of them
+    are longer than the pool yet within the context. Each response is then checked two ways: the
+    canary harness reads its text; the forensics read the decode trace for foreign pages."""
+    from tqdm.auto import tqdm
+
+    rng = random.Random(seed)
+    canaries = CanaryHarness(seed)
+    plan = []
+    for _ in range(requests):
+        tenant = rng.choice(tenants)
+        if rng.random() < long_share:
+            n = rng.randint(prefill_pool_tokens + 1, context_length - max_tokens)
+        else:
+            n = rng.randint(48, max(49, int(prefill_pool_tokens * 0.9) - max_tokens))
+        plan.append((tenant, n, canaries.prompt(tenant, n, rng.randint(4, 10))))
+    done: list[DayRequest] = []
+    bar = tqdm(total=requests, desc="replaying the day", unit="req", disable=not progress)
+    with ThreadPoolExecutor(concurrency) as pool:
+        for i in range(0, requests, concurrency):
+            wave = plan[i : i + concurrency]
+            futures = [pool.submit(engine.complete, t, p, max_tokens=max_tokens) for t, _, p in wave]
+            for (tenant, n, _), f in zip(wave, futures):
+                reply = f.result()
+                finding = canaries.check(tenant, reply.text) if reply.ok else Finding(tenant)
+                done.append(DayRequest(tenant, n, reply, finding))
+                bar.update(1)
+    bar.close()
+    affected = affected_responses(engine.trace()["decode"])
+    return DayReport(done, affected, prefill_pool_tokens)

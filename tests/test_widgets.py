@@ -37,6 +37,6 @@ def test_cells_are_coloured_by_last_writer_and_read_pages_outlined() -> None:
     assert decode.marker.color[5] == NEVER
     assert [w for w in decode.marker.line.width[:4]] == [3, 3, 3, 0.5]
     assert "read by the selected answer" in decode.hovertext[1]
-    stale = [t for t in fig.data if t.hoverinfo == "skip"]
-    assert stale and len(stale[0].x) == 2  # pages 1 and 2: held by bob, written by alice
+    stale = next(t for t in fig.data if t.name == "decode stale")
+    assert len(stale.x) == 2  # pages 1 and 2: held by bob, written by alice
     assert {t.name for t in fig.data if t.x == (None,)} == {"alice", "bob"}

@@ -6,6 +6,7 @@ engine never imports this module.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import plotly.graph_objects as go
@@ -27,11 +28,14 @@ def pool_figure(
     columns: int = 16,
     writers: dict[str, dict[int, str | None]] | None = None,
     title: str = "KV page pools: colour = tenant that last wrote the page",
+    now: float | None = None,
 ) -> go.Figure:
     """A grid per role. Pages in `read[role]` (e.g. the pages one answer read) are outlined in black;
     a page whose last writer is not its current owner (stale, not zeroed) is marked with a dot.
     `writers[role][page]` colours a page by another writer than the snapshot's (e.g. who had
-    written it when the selected answer read it)."""
+    written it when the selected answer read it). The figure always has the same traces for the
+    same roles and tenants, so a live view can update it in place."""
+    now = time.time() if now is None else now
     read = read or {}
     writers = writers or {}
     tenants = sorted(
@@ -53,9 +57,11 @@ def pool_figure(
             colour.append(colours.get(tenant, NEVER))
             outlined = p["page"] in read.get(role, set())
             line.append(3 if outlined else 0.5)
+            age = "" if p.get("written_at") is None else f", {max(0.0, now - p['written_at']):.1f} s ago"
             text.append(
                 f"{role} page {p['page']}<br>owner: {p['owner'] or 'free'}<br>"
-                f"last writer: {p['last_writer'] or 'never written'}"
+                f"last writer: {p['last_writer'] or 'never written'}{age}"
+                + ("<br><b>stale: held by one request, written by another</b>" if _stale(p) else "")
                 + ("<br><b>read by the selected answer</b>" if outlined else "")
             )
         fig.add_trace(
@@ -70,18 +76,18 @@ def pool_figure(
                 marker=dict(symbol="square", size=22, color=colour, line=dict(width=line, color="black")),
             )
         )
-        stale = [(x, y) for x, y, p in zip(xs, ys, snap) if p["stale"] and p["owner"] is not None]
-        if stale:
-            fig.add_trace(
-                go.Scatter(
-                    x=[s[0] for s in stale],
-                    y=[s[1] for s in stale],
-                    mode="markers",
-                    showlegend=False,
-                    hoverinfo="skip",
-                    marker=dict(symbol="circle", size=6, color="white"),
-                )
+        stale = [(x, y) for x, y, p in zip(xs, ys, snap) if _stale(p)]
+        fig.add_trace(  # always present (maybe empty): a live view updates traces in place
+            go.Scatter(
+                x=[s[0] for s in stale],
+                y=[s[1] for s in stale],
+                mode="markers",
+                name=f"{role} stale",
+                showlegend=False,
+                hoverinfo="skip",
+                marker=dict(symbol="circle", size=6, color="white"),
             )
+        )
         y0 += rows + 1
     for t in tenants:  # legend entries
         fig.add_trace(
@@ -104,3 +110,8 @@ def pool_figure(
         margin=dict(l=80, r=20, t=50, b=20),
     )
     return fig
+
+
+def _stale(page: dict[str, Any]) -> bool:
+    """Held by a request, but last written by another one (its old K/V was never zeroed)."""
+    return bool(page["stale"]) and page["owner"] is not None
