@@ -89,10 +89,10 @@ class CanaryHarness:
         for owner, prompts in self.prompts.items():
             if owner == tenant:
                 continue
-            for p in prompts:
-                n = longest_shared_run(text, p)
-                if n > finding.longest_foreign_run:
-                    finding.longest_foreign_run, finding.longest_foreign_run_owner = n, owner
+            # one search over all of the owner's prompts (a campaign sends hundreds)
+            n = longest_shared_run(text, "\x00".join(prompts))
+            if n > finding.longest_foreign_run:
+                finding.longest_foreign_run, finding.longest_foreign_run_owner = n, owner
         if finding.longest_foreign_run >= self.run_threshold and finding.longest_foreign_run_owner:
             finding.foreign_canaries.setdefault(finding.longest_foreign_run_owner, set())
         return finding

@@ -160,6 +160,33 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    from minigrid_engine.config import corrected_preset, incident_preset
+    from minigrid_engine.fixes import parse_fixes
+    from minigrid_engine.fuzz import FuzzConfig, fuzz
+
+    fixes = parse_fixes(args.fixes)
+    preset = args.preset
+    if preset == "auto":  # capacity-check refuses the incident's numbers: fuzz the corrected pool
+        preset = "corrected" if fixes.capacity_check else "incident"
+    base = corrected_preset() if preset == "corrected" else incident_preset()
+    changes: dict[str, object] = {"fixes": fixes}
+    for flag in ("context_length", "page_size", "prefill_pool_tokens", "decode_pool_tokens"):
+        if getattr(args, flag) is not None:
+            changes[flag] = getattr(args, flag)
+    campaign = FuzzConfig(
+        requests=args.requests,
+        seed=args.seed,
+        tenants=args.tenants,
+        concurrency=args.concurrency,
+        abort_rate=args.abort_rate,
+        max_tokens=args.max_tokens,
+    )
+    report = fuzz(base.with_(**changes), campaign, progress=not args.json)
+    print(report.to_json() if args.json else report.table())
+    return 0 if report.isolated else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minigrid", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -221,6 +248,30 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--json", action="store_true")
     au.add_argument("--timeout", type=float, default=10.0)
     au.set_defaults(func=cmd_audit)
+
+    f = sub.add_parser(
+        "fuzz",
+        help="randomized multi-tenant campaign with canaries: exit 0 when isolation holds, 1 on a leak",
+    )
+    f.add_argument("--requests", type=positive_int, default=200)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--fixes", default="all", help="none (the incident), all (default), or fix names")
+    f.add_argument("--tenants", type=positive_int, default=3, help="how many tenants (3)")
+    f.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight at once (8)")
+    f.add_argument("--abort-rate", type=float, default=0.1, help="share of clients that hang up (0.1)")
+    f.add_argument("--max-tokens", type=positive_int, default=32, help="most tokens a request asks for (32)")
+    f.add_argument(
+        "--preset",
+        choices=["auto", "incident", "corrected"],
+        default="auto",
+        help="auto: corrected when capacity-check is on (it refuses the incident's numbers), else incident",
+    )
+    f.add_argument("--context-length", type=positive_int)
+    f.add_argument("--page-size", type=positive_int)
+    f.add_argument("--prefill-pool-tokens", type=positive_int)
+    f.add_argument("--decode-pool-tokens", type=positive_int)
+    f.add_argument("--json", action="store_true", help="the report as JSON (no progress bar)")
+    f.set_defaults(func=cmd_fuzz)
 
     q = sub.add_parser("pool", help="show the size of a KV pool: tokens, pages, bytes")
     _add_pool_flags(q)

@@ -680,17 +680,26 @@ class Router:
             return JSONResponse({"ok": all(c["ok"] for c in checks.values()), **checks})
 
         @app.get("/v1/minigrid/trace")
-        async def trace(request: Request, since: int = 0) -> Response:
+        async def trace(request: Request, since: int = 0, role: str | None = None) -> Response:
             tenant = router.tenant_of(request.headers.get("authorization"))
             if tenant is None:
                 return unauthorized()
+            if role is not None and role not in ROLES:
+                return api_error(
+                    400,
+                    f"role {_shown(role)}: choose prefill or decode",
+                    "invalid_request_error",
+                    "invalid_value",
+                    "role",
+                )
             only = None if tenant == "admin" else tenant
+            # each role numbers its own events: `since` with `role` pages through one of them
             events = {
-                role: await asyncio.to_thread(router.query, role, "trace", since=since, tenant=only)
-                for role in ROLES
+                r: await asyncio.to_thread(router.query, r, "trace", since=since, tenant=only)
+                for r in (ROLES if role is None else (role,))
             }
             if only is not None:
-                events = {role: tenant_view(evs, only) for role, evs in events.items()}
+                events = {r: tenant_view(evs, only) for r, evs in events.items()}
             return JSONResponse(events)
 
         return app
