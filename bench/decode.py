@@ -2,6 +2,7 @@
 
     python bench/decode.py                     # batch 1, 8, 32; writes bench/results/decode-cpu.json
     python bench/decode.py --batches 1 --steps 8 --prompt-len 64 --out /tmp/d.json   # smoke
+    python bench/decode.py --attention triton   # the paged path through the Triton kernels
 
 Both paths run the same model on the same prompts (ragged lengths) and greedy tokens. The paged
 path is the engine's: `ModelRunner.decode` gathering K/V through block tables, writing trace
@@ -77,11 +78,13 @@ class ContiguousKV:
 
 
 def run_paged(
-    model: Transformer, prompts: list[list[int]], steps: int, page: int
+    model: Transformer, prompts: list[list[int]], steps: int, page: int, attention: str = "torch"
 ) -> tuple[float, list[list[int]]]:
+    """Prefill then decode `steps` tokens for every prompt in one batch; (decode seconds, tokens)."""
     total = sum(len(p) + steps for p in prompts)
-    pool = KVPool(PoolConfig(total + page * len(prompts), page), model.cfg, "bench")
-    runner = ModelRunner(model, pool)
+    device = next(model.parameters()).device
+    pool = KVPool(PoolConfig(total + page * len(prompts), page), model.cfg, "bench", device=device)
+    runner = ModelRunner(model, pool, attention=attention)
     tables, outs = [], []
     for i, ids in enumerate(prompts):
         res = pool.reserve(f"r{i}", "bench", len(ids) + steps)
@@ -93,7 +96,7 @@ def run_paged(
             DecodeItem(f"r{i}", "bench", outs[i][-1], len(ids) + s, tables[i])
             for i, ids in enumerate(prompts)
         ]
-        nxt = runner.decode(items).argmax(-1).tolist()
+        nxt = runner.decode(items).argmax(-1).tolist()  # .tolist() waits for the GPU too
         for o, t in zip(outs, nxt):
             o.append(t)
     return time.perf_counter() - t0, outs
@@ -125,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=512, help="mean prompt length (ragged +-25%)")
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--attention", choices=["torch", "triton"], default="torch", help="paged path kernels")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "decode-cpu.json")
     a = p.parse_args(argv)
     torch.manual_seed(0)
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         paged_t, contig_t = [], []
         same = True
         for _ in range(a.rounds):
-            tp, op = run_paged(model, prompts, a.steps, a.page_size)
+            tp, op = run_paged(model, prompts, a.steps, a.page_size, a.attention)
             tc, oc = run_contiguous(model, prompts, a.steps)
             paged_t.append(tp)
             contig_t.append(tc)
@@ -163,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "torch_threads": torch.get_num_threads(),
         "page_size": a.page_size,
+        "attention": a.attention,
         "rounds": a.rounds,
         "peak_rss_mib": round(peak_rss_mib(), 1),
         "rows": rows,

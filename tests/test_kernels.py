@@ -2,13 +2,17 @@
 
 On a machine without CUDA the kernels run under Triton's interpreter (`kernels` sets
 TRITON_INTERPRET=1 before Triton is imported), which runs every program of the grid in Python:
-shapes and grids stay small here.
+shapes and grids stay small here. With CUDA the same tests run the compiled kernels on the GPU.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,13 +30,14 @@ from minigrid_engine.records import record_prompt  # noqa: E402
 from minigrid_engine.runner import DecodeItem, ModelRunner, sample  # noqa: E402
 
 CODE = re.compile(r"\b[A-Z0-9]{6,10}\b")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGES = [1, 3, 4, 16, 64, 100, 128]  # powers of two and not
 TILES = [None, kernels.Tiles(block_n=16, block_m=16)]  # the default, and many small steps
 
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model()
+    return load_model(device=DEVICE)
 
 
 def _paged(lens: list[int], page: int, kv_heads: int, d: int, gen: torch.Generator):
@@ -49,7 +54,7 @@ def _paged(lens: list[int], page: int, kv_heads: int, d: int, gen: torch.Generat
     width = max(len(t) for t in tables)
     # padding entries point at some other page: the kernel must never read them
     table = torch.tensor([t + [free[0] if free else 0] * (width - len(t)) for t in tables])
-    return k_cache, v_cache, table
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), table.to(DEVICE)
 
 
 @settings(max_examples=30, deadline=None)
@@ -66,8 +71,8 @@ def _paged(lens: list[int], page: int, kv_heads: int, d: int, gen: torch.Generat
 def test_decode_kernel_matches_torch(lens, page, kv_heads, group, d, splits, tiles, seed) -> None:
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, table = _paged(lens, page, kv_heads, d, gen)
-    q = torch.randn(len(lens), kv_heads * group, d, generator=gen)
-    seq_lens = torch.tensor(lens)
+    q = torch.randn(len(lens), kv_heads * group, d, generator=gen).to(DEVICE)
+    seq_lens = torch.tensor(lens, device=DEVICE)
     ref = attention.paged_decode_attention(q, k_cache, v_cache, table, seq_lens)
     run = kernels.decode(q, k_cache, v_cache, table, seq_lens, num_splits=splits, tiles=tiles, record=True)
     torch.testing.assert_close(run.out, ref, atol=1e-5, rtol=1e-5)
@@ -90,10 +95,10 @@ def test_decode_kernel_matches_torch(lens, page, kv_heads, group, d, splits, til
 def test_owner_check_kernel_flags_what_foreign_pages_flags(lens, page, splits, seed) -> None:
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, table = _paged(lens, page, 2, 16, gen)
-    q = torch.randn(len(lens), 4, 16, generator=gen)
-    seq_lens = torch.tensor(lens)
-    page_tags = torch.randint(0, 3, (k_cache.shape[0],), generator=gen)
-    reader_tags = torch.randint(0, 3, (len(lens),), generator=gen)
+    q = torch.randn(len(lens), 4, 16, generator=gen).to(DEVICE)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    page_tags = torch.randint(0, 3, (k_cache.shape[0],), generator=gen).to(DEVICE)
+    reader_tags = torch.randint(0, 3, (len(lens),), generator=gen).to(DEVICE)
     out, foreign = kernels.paged_decode_attention_checked(
         q, k_cache, v_cache, table, seq_lens, page_tags, reader_tags, num_splits=splits
     )
@@ -120,35 +125,45 @@ def test_prefill_and_write_kernels_match_torch(n, start_frac, page, group, tiles
     table = torch.randperm(n_pages, generator=gen)[: -(-n // page)]
     k_cache = torch.randn(n_pages, page, kh, d, generator=gen) * 10
     v_cache = torch.randn(n_pages, page, kh, d, generator=gen) * 10
+    keys, vals, table, k_cache, v_cache = (t.to(DEVICE) for t in (keys, vals, table, k_cache, v_cache))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    slots = attention.slot_ids(table, torch.arange(n), page)
+    slots = attention.slot_ids(table, torch.arange(n, device=DEVICE), page)
     kernels.write_kv(k_cache, v_cache, slots, keys, vals)
     attention.write_kv(k_ref, v_ref, slots, keys, vals)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # and no other slot moved
     start = int(start_frac * n)
-    q = torch.randn(n - start, kh * group, d, generator=gen)
+    q = torch.randn(n - start, kh * group, d, generator=gen).to(DEVICE)
     out = kernels.paged_prefill_attention(q, k_cache, v_cache, table, start, tiles=tiles)
     ref = attention.paged_prefill_attention(q, k_ref, v_ref, table, start)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_half_precision_accumulates_in_float32() -> None:
+HALF = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]  # numpy has no bf16
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_precision_accumulates_in_float32(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache, table = _paged([40, 7], 16, 2, 32, gen)
-    q = torch.randn(2, 4, 32, generator=gen)
-    seq_lens = torch.tensor([40, 7])
+    q = torch.randn(2, 4, 32, generator=gen).to(DEVICE)
+    seq_lens = torch.tensor([40, 7], device=DEVICE)
     ref = attention.paged_decode_attention(q, k_cache, v_cache, table, seq_lens)
-    half = [t.half() for t in (q, k_cache, v_cache)]
+    half = [t.to(dtype) for t in (q, k_cache, v_cache)]
     out = kernels.paged_decode_attention(half[0], half[1], half[2], table, seq_lens, num_splits=2)
-    assert out.dtype == torch.float16
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    prefill = kernels.paged_prefill_attention(
+        half[0][:1].expand(5, 4, 32).contiguous(), half[1], half[2], table[0], 35
+    )
+    expected = attention.paged_prefill_attention(q[:1].expand(5, 4, 32), k_cache, v_cache, table[0], 35)
+    torch.testing.assert_close(prefill.float(), expected, atol=3e-2, rtol=3e-2)
 
 
 def test_largest_page_and_bad_shapes() -> None:
     gen = torch.Generator().manual_seed(1)
     k_cache, v_cache, table = _paged([300], 4096, 1, 8, gen)
-    q = torch.randn(1, 2, 8, generator=gen)
-    seq_lens = torch.tensor([300])
+    q = torch.randn(1, 2, 8, generator=gen).to(DEVICE)
+    seq_lens = torch.tensor([300], device=DEVICE)
     torch.testing.assert_close(
         kernels.paged_decode_attention(q, k_cache, v_cache, table, seq_lens),
         attention.paged_decode_attention(q, k_cache, v_cache, table, seq_lens),
@@ -156,7 +171,9 @@ def test_largest_page_and_bad_shapes() -> None:
         rtol=1e-5,
     )
     with pytest.raises(ValueError, match="not fit"):
-        kernels.paged_decode_attention(torch.randn(1, 2, 16), k_cache, v_cache, table, seq_lens)
+        kernels.paged_decode_attention(
+            torch.randn(1, 2, 16, device=DEVICE), k_cache, v_cache, table, seq_lens
+        )
     with pytest.raises(ValueError, match="need 1 pages, block table has 0"):
         kernels.paged_prefill_attention(q, k_cache, v_cache, table[0, :0], 0)
 
@@ -165,7 +182,8 @@ def test_greedy_completions_are_identical_with_triton_and_torch(model) -> None:
     prompts = ["ALICE card QZ7K2M9P; ALICE card QZ7K2M9P; ALICE card", "hello world. hello world. hello"]
     texts = {}
     for backend in ("torch", "triton"):
-        engine = Engine(model=model, pool=PoolConfig(512, 16), context_length=256, attention=backend)
+        pool = PoolConfig(512, 16)
+        engine = Engine(model=model, pool=pool, context_length=256, device=DEVICE, attention=backend)
         done = engine.generate("t", prompts, max_tokens=12)  # ragged batch of two, three pages each
         texts[backend] = [(c.token_ids, c.text) for c in done]
         engine.pool.check_integrity()
@@ -176,7 +194,8 @@ def test_greedy_completions_are_identical_with_triton_and_torch(model) -> None:
 def test_stale_block_table_leaks_through_the_triton_kernel_and_owner_check_flags_it(model) -> None:
     """tests/test_model.py's leak, every read through the kernels: bob decodes over alice's pages."""
     rng = random.Random(3)
-    engine = Engine(model=model, pool=PoolConfig(2048, 128), context_length=1024, attention="triton")
+    pool_cfg = PoolConfig(2048, 128)
+    engine = Engine(model=model, pool=pool_cfg, context_length=1024, device=DEVICE, attention="triton")
     alice_prompt = record_prompt("alice", 640, rng, 9)
     [a] = engine.generate("alice", [alice_prompt], max_tokens=4)
     alice_codes = set(re.findall(r"ALICE [a-z]+ ([A-Z0-9]{6,10});", alice_prompt))
@@ -198,3 +217,26 @@ def test_stale_block_table_leaks_through_the_triton_kernel_and_owner_check_flags
     assert {pool.pages[p].last_writer for p in bob.pages[1:5]} == {a.request_id}
     pool.release("bob-1")
     pool.check_integrity()
+
+
+def test_kernel_bench_runs_in_its_cpu_form(tmp_path: Path) -> None:
+    """bench/kernels.py (what bench/gpu.sh runs on a GPU) at toy sizes: every section, every field."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "kernels.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--cpu-smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads((tmp_path / "kernels-cpu.json").read_text())
+    assert r["mode"] == "cpu-smoke" and r["interpreted"] and r["correctness"]["ok"]
+    assert r["correctness"]["model_greedy"]["identical"]
+    assert all(c["owner_check_flags_equal"] for c in r["correctness"]["checks"])
+    for row in r["decode"]:
+        for field in ("kv_bytes", "triton_ms", "triton_gbps", "triton_fraction_of_peak", "triton_sweep"):
+            assert field in row, field
+        assert {"owner_check_ms", "owner_check_overhead", "torch_sdpa_ms", "torch_sdpa_gbps"} <= set(row)
+        assert row["torch_sdpa_max_diff"] < 1e-4
+    assert [(row["batch"], row["context"]) for row in r["decode"]] == [(1, 100), (2, 100)]
+    assert all(row["identical_tokens"] and row["triton_tokens_per_s"] > 0 for row in r["engine"])
