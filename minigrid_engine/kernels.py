@@ -6,21 +6,30 @@ arguments, same result), so `ModelRunner(..., attention="triton")` can switch:
 - `write_kv`: store this step's K/V at flat slots (``page * page_size + offset``) of the pages;
 - `paged_prefill_attention`: causal attention of a prompt chunk over keys read through its
   block table;
-- `paged_decode_attention`: one query token per request; each program walks the block table
-  page by page with an online softmax (optionally split over pages, then a reduce kernel);
+- `paged_decode_attention`: one query token per request. Each program (request x kv head x
+  split) walks the request's tokens in block-table order, ``BLOCK_N`` at a time, finding each
+  token's page in the block table, with an online softmax; with several splits per request a
+  second kernel combines them (split-K, for long contexts on a GPU with many SMs);
 - `paged_decode_attention_checked`: the decode kernel with the `owner-check` fix inside it: for
   every page it reads, it also reads the page's last-writer tag through the same block table and
   flags the page when the tag is not the reader's (`attention.foreign_pages`, at the read).
 
+`decode(..., record=True)` also returns the page each program read, and `kernel_reads(pool, ...)`
+turns that into rows a notebook can show (page, last writer, flagged).
+
 Cache layout, one layer: ``[n_pages, page_size, n_kv_heads, head_dim]``, keys already rotated.
-Any page size the pool allows works: a page is read in chunks of ``BLOCK_N`` tokens (a power of
-two, at least 16 so `tl.dot` compiles on a GPU) and the tail of a chunk is masked.
+Any page size the pool allows (1 to 4096, powers of two or not) works with any tile, because
+each token's page is looked up on its own and the tail of a tile is masked. Tiles are powers of
+two of at least 16 (`tl.dot` needs that on a GPU); fewer query heads per kv head than 16, or a
+head_dim that is not a power of two, are padded and masked the same way. Inputs may be float32
+(exact: no TF32), float16 or bfloat16; the softmax and the sums are always float32.
 
 On a machine without CUDA the kernels run on CPU tensors through Triton's interpreter
-(``TRITON_INTERPRET=1``, set below before `triton` is imported: `triton.jit` reads it when the
-kernels are defined). The interpreter runs every program of the grid as a Python loop, slow but
-exact, which is what the tests and the kernel lab need. Import this module only when the Triton
-path is wanted (`runner.attention_ops` does it lazily).
+(``TRITON_INTERPRET=1``, set below before `triton` is imported: `triton.jit` reads it when a
+kernel is defined, and triton.language defines its own helpers at import). The interpreter runs
+every program of the grid as a Python loop, slow but exact, which is what the tests and the
+kernel lab need. Import this module only when the Triton path is wanted (`runner.attention_ops`
+does it lazily).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +55,9 @@ import triton
 import triton.language as tl
 
 from minigrid_engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from minigrid_engine.pool import KVPool
 
 MIN_BLOCK = 16  # tl.dot needs every dimension >= 16 on a GPU; smaller shapes are padded and masked
 MAX_SPLITS = 64
@@ -624,3 +637,60 @@ def paged_prefill_attention(
         num_warps=tiles.num_warps,
     )
     return out
+
+
+# -- for the kernel lab --------------------------------------------------------------------------
+def kernel_reads(
+    pool: KVPool,
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+    readers: list[str],
+    layer: int = 0,
+    num_splits: int = 1,
+) -> list[dict[str, Any]]:
+    """Run the owner-checked decode kernel over `pool`'s pages and say what each program read.
+
+    One row per (request, kv head, block) that a program read: the program's grid index
+    (request, kv head, split), the page the block table sent it to, who last wrote that page
+    (the pool's owner table), and whether the kernel's owner-check flagged it. The query is
+    random: which pages are read does not depend on it, only on the block table and the length.
+    """
+    device = pool.k.device
+    mc = pool.model_cfg
+    width = max(len(t) for t in block_tables)
+    table = torch.tensor([t + [t[0]] * (width - len(t)) for t in block_tables], device=device)
+    lens = torch.tensor(seq_lens, device=device)
+    q = torch.randn(len(readers), mc.n_heads, mc.head_dim, generator=torch.Generator().manual_seed(0))
+    reader_tags = torch.tensor([pool.tag_of(r) for r in readers], device=device)
+    run = decode(
+        q.to(device, pool.k.dtype),
+        pool.k[layer],
+        pool.v[layer],
+        table,
+        lens,
+        pool.writer_tags,
+        reader_tags,
+        num_splits=num_splits,
+        record=True,
+    )
+    assert run.pages_read is not None and run.foreign is not None
+    rows = []
+    for b, reader in enumerate(readers):
+        for kv_head in range(mc.n_kv_heads):
+            for block, page in enumerate(run.pages_read[b, kv_head].tolist()):
+                if page < 0:
+                    continue  # past the request's length: never read
+                info = pool.pages[page]
+                rows.append(
+                    {
+                        "request": reader,
+                        "program": (b, kv_head, block // run.pages_per_split),
+                        "kv_head": kv_head,
+                        "block": block,
+                        "page": page,
+                        "last_writer": info.last_writer,
+                        "last_writer_tenant": info.last_writer_tenant,
+                        "flagged": bool(run.foreign[b, block]),
+                    }
+                )
+    return rows

@@ -23,7 +23,10 @@ from hypothesis import strategies as st
 kernels = pytest.importorskip("minigrid_engine.kernels")
 
 from minigrid_engine import attention  # noqa: E402
+from minigrid_engine.config import corrected_preset  # noqa: E402
 from minigrid_engine.engine import Engine  # noqa: E402
+from minigrid_engine.handle import Engine as Served  # noqa: E402
+from minigrid_engine.inprocess import InProcessCluster  # noqa: E402
 from minigrid_engine.model import load_model  # noqa: E402
 from minigrid_engine.pool import PoolConfig  # noqa: E402
 from minigrid_engine.records import record_prompt  # noqa: E402
@@ -178,8 +181,11 @@ def test_largest_page_and_bad_shapes() -> None:
         kernels.paged_prefill_attention(q, k_cache, v_cache, table[0, :0], 0)
 
 
+PROMPTS = ["ALICE card QZ7K2M9P; ALICE card QZ7K2M9P; ALICE card", "hello world. hello world. hello"]
+
+
 def test_greedy_completions_are_identical_with_triton_and_torch(model) -> None:
-    prompts = ["ALICE card QZ7K2M9P; ALICE card QZ7K2M9P; ALICE card", "hello world. hello world. hello"]
+    prompts = PROMPTS
     texts = {}
     for backend in ("torch", "triton"):
         pool = PoolConfig(512, 16)
@@ -215,6 +221,11 @@ def test_stale_block_table_leaks_through_the_triton_kernel_and_owner_check_flags
     # the kernel's owner-check saw it at every step: blocks 2-5 were last written by alice
     assert all(f == bob.pages[1:5] for f in flagged), flagged
     assert {pool.pages[p].last_writer for p in bob.pages[1:5]} == {a.request_id}
+    # the lab's view of the same read: each program's pages, their last writers, the flags
+    reads = kernels.kernel_reads(pool, [bob.pages], [640 + 24], ["bob-1"])
+    assert [r["page"] for r in reads if r["kv_head"] == 0] == bob.pages
+    assert all(r["flagged"] == (r["last_writer"] == a.request_id) for r in reads)
+    assert {r["program"] for r in reads} == {(0, 0, 0), (0, 1, 0)}
     pool.release("bob-1")
     pool.check_integrity()
 
@@ -240,3 +251,25 @@ def test_kernel_bench_runs_in_its_cpu_form(tmp_path: Path) -> None:
         assert row["torch_sdpa_max_diff"] < 1e-4
     assert [(row["batch"], row["context"]) for row in r["decode"]] == [(1, 100), (2, 100)]
     assert all(row["identical_tokens"] and row["triton_tokens_per_s"] > 0 for row in r["engine"])
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the in-process cluster keeps its pools on the CPU")
+def test_both_disaggregated_roles_run_the_kernels() -> None:
+    cpu_model = load_model()
+    texts = {}
+    for backend in ("torch", "triton"):
+        cluster = InProcessCluster(corrected_preset(attention=backend), cpu_model)
+        assert cluster.prefill.runner.ops.name == cluster.decode.runner.ops.name == backend
+        result = cluster.complete("alice", PROMPTS[0], 8)
+        assert result.status == 200
+        texts[backend] = cluster.text(result)
+    assert texts["triton"] == texts["torch"]
+
+
+def test_minigrid_serve_attention_triton_answers_like_torch(model) -> None:
+    """`--attention triton` through ServeConfig, the command line and both worker processes."""
+    engine = Engine(model=model, pool=PoolConfig(512, 16), context_length=256, device=DEVICE)
+    [expected] = engine.generate("alice", [PROMPTS[0]], max_tokens=8)
+    with Served.start(corrected_preset(attention="triton", device=DEVICE)) as served:
+        reply = served.complete("alice", PROMPTS[0], max_tokens=8)
+    assert reply.status == 200 and reply.text == expected.text
