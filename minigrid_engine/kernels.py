@@ -42,14 +42,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if not torch.cuda.is_available():  # no GPU: the interpreter, decided before triton is imported
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        # triton.language's own helpers (tl.sum, tl.max) were compiled for a GPU at import time
+# No GPU and no choice made: the interpreter, decided before triton is imported. (An explicit
+# TRITON_INTERPRET=0 is respected: compiling for a GPU target on a CPU-only machine is legitimate.)
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    if "triton" in sys.modules:
+        # triton.language's own helpers (tl.sum, tl.max) were already defined for a GPU
         raise ImportError(
             "triton was imported before minigrid_engine.kernels on a machine without CUDA: set "
             "TRITON_INTERPRET=1 before importing triton, or import minigrid_engine.kernels first"
         )
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import triton
 import triton.language as tl
