@@ -323,3 +323,86 @@ def replay_day(
     bar.close()
     affected = affected_responses(engine.trace()["decode"])
     return DayReport(done, affected, prefill_pool_tokens)
+
+
+@dataclass
+class FixVerdict:
+    """The incident rerun under one set of fixes: what bob's client saw, and whether it leaked."""
+
+    fixes: str
+    started: bool
+    refusal: str | None = None  # why the engine would not start (capacity-check)
+    report: LeakReport | None = None
+
+    @property
+    def foreign_pages(self) -> int:
+        if self.report is None:
+            return 0
+        return sum(
+            n for t, n in self.report.pages_by_tenant().items() if t not in (None, self.report.attacker)
+        )
+
+    @property
+    def leaked(self) -> bool:
+        return (
+            self.report is not None
+            and self.report.reply.ok
+            and (self.report.leaked or self.foreign_pages > 0)
+        )
+
+    @property
+    def client_saw(self) -> str:
+        """'no engine', '400', 'error', '200 leak' or '200 clean'."""
+        if not self.started or self.report is None:
+            return "no engine"
+        r = self.report.reply
+        if r.status == 400:
+            return "400"
+        if not r.ok:
+            return "error"
+        return "200 leak" if self.leaked else "200 clean"
+
+    def describe(self) -> str:
+        if self.report is None:
+            return f"{self.fixes}: the engine refused to start: {self.refusal}"
+        r = self.report.reply
+        err = r.error or {}
+        said = f"error {r.status} {err.get('code', '')}: {err.get('message', '')}"
+        return (
+            f"{self.fixes}: bob's client saw {self.client_saw}; "
+            + (f"answer {r.text!r}" if r.ok else said)
+            + f"; foreign pages read: {self.foreign_pages}"
+        )
+
+
+def verify_fix(
+    fixes: str,
+    cfg: Any = None,
+    *,
+    attempts: int = 3,
+    attacker_len: int | None = None,
+    max_tokens: int = 24,
+) -> FixVerdict:
+    """Start an engine with `fixes` on `cfg` (default: the incident's numbers), rerun the identical
+    scenario, stop it. The fix is verified by the canary harness and the forensics, not by hope."""
+    from minigrid_engine.config import incident_preset
+    from minigrid_engine.handle import Engine, EngineNotReady
+
+    cfg = cfg or incident_preset()
+    try:
+        eng = Engine.start(cfg, fixes=fixes)
+    except EngineNotReady as exc:
+        lines = [line for line in str(exc).splitlines() if line.startswith(("capacity-check", "error"))]
+        return FixVerdict(fixes, False, (lines or str(exc).splitlines())[-1])
+    try:
+        report = run_incident(
+            eng,
+            context_length=cfg.context_length,
+            prefill_pool_tokens=cfg.prefill_pool_tokens,
+            attacker_len=attacker_len,
+            max_tokens=max_tokens,
+            attempts=attempts,
+        )
+    finally:
+        eng.stop()
+    return FixVerdict(fixes, True, None, report)

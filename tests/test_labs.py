@@ -1,23 +1,33 @@
-"""Every lab notebook runs headless under papermill, in both directions: the leak, then the fix."""
+"""Every lab notebook runs headless under papermill and shows what its story claims.
+
+The notebooks run with the reference answers (`reveal_solutions=True`), so every checker must
+accept them; the leak lab also runs with the fix on, and two labs run as the student gets them,
+where the checkers must reject the unanswered stubs. `bench/labs.py` runs the same series and
+times it.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-import papermill as pm
 import pytest
 
-LABS = Path(__file__).resolve().parents[1] / "labs"
-NOTEBOOKS = sorted(LABS.glob("*.ipynb"))
+ROOT = Path(__file__).resolve().parents[1]
+LABS = ROOT / "labs"
+NOTEBOOKS = sorted(LABS.glob("[0-9][0-9]_*.ipynb"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from labs import run_lab  # noqa: E402  (bench/labs.py)
 
 
-def test_there_are_labs() -> None:
-    assert NOTEBOOKS, "labs/ holds no notebook"
+def test_there_is_a_series() -> None:
+    assert len(NOTEBOOKS) >= 11, [n.name for n in NOTEBOOKS]
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebooks_are_committed_clean(nb: Path) -> None:
+def test_notebooks_are_committed_clean_and_follow_the_pattern(nb: Path) -> None:
     data = json.loads(nb.read_text())
     assert data["metadata"]["kernelspec"]["name"] == "python3"
     for cell in data["cells"]:
@@ -25,30 +35,116 @@ def test_notebooks_are_committed_clean(nb: Path) -> None:
             assert not cell.get("outputs") and cell.get("execution_count") is None, f"{nb.name} has outputs"
     tagged = [c for c in data["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
     assert len(tagged) == 1, f"{nb.name} needs exactly one cell tagged parameters"
+    params = "".join(tagged[0]["source"])
+    assert "result_path" in params and "reveal_solutions = False" in params
+    text = "\n".join("".join(c["source"]) for c in data["cells"])
+    assert "**You will:**" in text and "## Key points" in text, f"{nb.name}: objectives and key points"
+    assert "check_" in text, f"{nb.name} has no exercise checker"
+    assert "labs/.solutions" not in text.replace("labs/INSTRUCTOR.md", ""), "solutions are not shown"
 
 
-def run_lab(name: str, tmp_path: Path, **params: object) -> dict:
-    out = tmp_path / "result.json"
-    pm.execute_notebook(
-        str(LABS / name),
-        str(tmp_path / f"out-{name}"),
-        parameters={**params, "result_path": str(out)},
-        kernel_name="python3",
-        progress_bar=False,
-        start_timeout=120,
-        cwd=str(LABS),
-    )
-    return json.loads(out.read_text())
+def run(name: str, tmp_path: Path, **params: object) -> dict:
+    result = run_lab(LABS / name, tmp_path, **{"reveal_solutions": True, **params}).result
+    assert result, f"{name} wrote no result"
+    failed = [k for k, ok in result.get("verdicts", {}).items() if not ok]
+    if params.get("reveal_solutions", True):
+        assert result["verdicts"] and not failed, f"{name}: the reference answers fail {failed}"
+    return result
 
 
-def test_leak_lab_shows_the_leak(tmp_path: Path) -> None:
-    r = run_lab("01_the_leak.ipynb", tmp_path, fixes="none")
+def test_01_welcome_reads_the_pool_from_the_running_engine(tmp_path: Path) -> None:
+    r = run("01_welcome.ipynb", tmp_path)
+    assert r["prefill_capacity"] == 665 and r["context_length"] == 1024 and r["audit_ok"] is False
+    assert any("prefill KV pool: 665 tokens in 6 pages" in line for line in r["pool_lines"])
+
+
+def test_02_paged_kv_cache_shows_stale_pages(tmp_path: Path) -> None:
+    r = run("02_paged_kv_cache.ipynb", tmp_path)
+    assert r["reused_pages"], "carol got none of alice's freed pages"
+    assert "ALICE" in r["leaked_text"] and r["pages_in_use"] == 0
+
+
+def test_02_student_copy_rejects_the_stub(tmp_path: Path) -> None:
+    r = run("02_paged_kv_cache.ipynb", tmp_path, reveal_solutions=False)
+    assert r["verdicts"] == {"slot": False}
+
+
+def test_03_disaggregated_serving_draws_every_phase(tmp_path: Path) -> None:
+    r = run("03_disaggregated_serving.ipynb", tmp_path)
+    assert set(r["statuses"]) == {200}
+    for phases in r["phases"].values():
+        assert phases == ["queued", "prefill", "transfer", "decode"]
+    assert all(w == d for w, d in r["pages"].values()), r["pages"]
+
+
+def test_04_the_audit_turns_red_below_the_context(tmp_path: Path) -> None:
+    r = run("04_shrink_the_pool.ipynb", tmp_path, sizes=[2048, 1024, 960, 665])
+    assert r["audit"] == {"2048": True, "1024": True, "960": False, "665": False}
+    assert r["oversized_status"] == 200 and r["capacity_check_refused"]
+    assert "665 tokens, fewer than the context length of 1024" in r["refusal"]
+
+
+def test_05_leak_lab_shows_the_leak(tmp_path: Path) -> None:
+    r = run("05_trigger_the_leak.ipynb", tmp_path, fixes="none")
     assert r["status"] == 200 and r["prompt_tokens"] == 1000
     assert r["leaked_codes"], f"the leak lab no longer leaks: {r['text']!r}"
-    assert r["pages_by_tenant"] == {"alice": 7, "bob": 1}
+    assert r["pages_by_tenant"] == {"alice": 7, "bob": 1} and r["too_fast"]
 
 
-def test_leak_lab_with_the_fix_shows_the_400(tmp_path: Path) -> None:
-    r = run_lab("01_the_leak.ipynb", tmp_path, fixes="reject-before-transfer")
+def test_05_leak_lab_with_the_fix_shows_the_400(tmp_path: Path) -> None:
+    r = run("05_trigger_the_leak.ipynb", tmp_path, fixes="reject-before-transfer")
     assert r["status"] == 400 and r["error"]["code"] == "context_length_exceeded"
     assert not r["leaked_codes"]
+
+
+def test_06_forensics_counts_affected_responses(tmp_path: Path) -> None:
+    r = run("06_forensics.ipynb", tmp_path, day_requests=30)
+    assert r["bob_pages_by_tenant"] == {"alice": 7, "bob": 1}
+    assert 0 < r["affected"] <= r["over_threshold"]
+    assert r["shortest_affected_prompt"] > 665  # every affected prompt is longer than the pool
+
+
+def test_06_forensics_with_the_fix_counts_none(tmp_path: Path) -> None:
+    r = run("06_forensics.ipynb", tmp_path, fixes="reject-before-transfer", day_requests=24)
+    assert r["affected"] == 0 and r["with_foreign_canaries"] == 0
+
+
+def test_07_admission_fixes(tmp_path: Path) -> None:
+    r = run("07_fix_admission.ipynb", tmp_path)
+    assert r["none"]["client_saw"] == "200 leak" and r["none"]["foreign_pages"] == 7
+    assert r["reject-before-transfer"]["client_saw"] == "400"
+    assert r["capacity-check"]["client_saw"] == "no engine"
+    assert not r["reject-before-transfer"]["leaked"] and not r["capacity-check"]["leaked"]
+
+
+def test_08_transfer_fixes(tmp_path: Path) -> None:
+    r = run("08_fix_transfer.ipynb", tmp_path)
+    inc = r["incident"]
+    assert inc["coverage-check"] == {"client_saw": "error", "leaked": False, "code": "kv_coverage_mismatch"}
+    assert inc["kv-checksum"] == {"client_saw": "error", "leaked": False, "code": "kv_checksum_mismatch"}
+    assert inc["deferred-release"]["leaked"], "deferred-release is not meant to stop bob's leak"
+    assert r["late_transfer"]["none"]["foreign_writes"] >= 1
+    assert r["late_transfer"]["deferred-release"]["foreign_writes"] == 0
+
+
+def test_09_memory_fixes(tmp_path: Path) -> None:
+    r = run("09_fix_memory.ipynb", tmp_path)
+    assert r["scrub-on-free"] == {"client_saw": "200 clean", "leaked": False, "code": None}
+    assert r["owner-check"] == {"client_saw": "error", "leaked": False, "code": "owner_check_violation"}
+
+
+def test_10_the_test_that_would_have_caught_it(tmp_path: Path) -> None:
+    r = run("10_catch_it.ipynb", tmp_path)
+    assert r["cases"]["bob, faulty engine"]["leaked"]
+    assert not any(c["leaked"] for name, c in r["cases"].items() if name != "bob, faulty engine")
+
+
+def test_11_postmortem_answers_the_questions(tmp_path: Path) -> None:
+    r = run("11_postmortem.ipynb", tmp_path)
+    assert r["audit"] == {"as launched": False, "corrected": True} and r["launched_leak"]
+    assert r["at_risk"] == ["chat-prod"]
+
+
+def test_11_student_copy_rejects_the_stub(tmp_path: Path) -> None:
+    r = run("11_postmortem.ipynb", tmp_path, reveal_solutions=False)
+    assert r["verdicts"] == {"possibly_affected": False}

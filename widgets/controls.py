@@ -120,9 +120,16 @@ class EngineControls:
         try:
             return {"engine": self._start(cfg)}
         except Exception as exc:  # shown in the status line, not as a traceback
-            return {"error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
+            return {"error": reason(exc)}
 
     def stop(self) -> None:
         if self.engine is not None:
             self.engine.stop()
             self.engine = None
+
+
+def reason(exc: BaseException) -> str:
+    """The one line of an engine's failed start that says why (its log's last error line)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    why = [line for line in lines if line.startswith(("capacity-check", "error", "minigrid serve: error"))]
+    return (why or lines or [type(exc).__name__])[-1]

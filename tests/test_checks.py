@@ -1,0 +1,90 @@
+"""The exercise checkers accept the reference answers, reject plausible wrong ones, and say why."""
+
+from __future__ import annotations
+
+import pytest
+
+from widgets import checks
+from widgets.checks import solution
+
+
+def test_shortfall() -> None:
+    assert checks.check_shortfall(solution("shortfall")).ok
+    v = checks.check_shortfall(lambda m: int(m["minigrid_context_length_tokens"] - 665))  # hard-coded pool
+    assert not v.ok and "shortfall is" in v.message
+
+
+def test_slot() -> None:
+    assert checks.check_slot(solution("slot")).ok
+    v = checks.check_slot(lambda pos, table, ps: (pos // ps, pos % ps))  # forgot the block table
+    assert not v.ok and "block table" in v.message
+
+
+def test_audit() -> None:
+    assert checks.check_audit(solution("audit")).ok
+    v = checks.check_audit(lambda pools, ctx: pools["decode"] >= ctx)  # only the decode pool
+    assert not v.ok and "prefill pool holds fewer than" in v.message
+
+
+def test_foreign_codes() -> None:
+    assert checks.check_foreign_codes(solution("foreign_codes")).ok
+    v = checks.check_foreign_codes(lambda text, prompts: {w.strip(";") for w in text.split() if w.isupper()})
+    assert not v.ok
+
+
+def test_affected() -> None:
+    events = [
+        {"kind": "write", "request": "alice-1", "tenant": "alice", "pages": [0, 1], "detail": {}},
+        {"kind": "write", "request": "bob-2", "tenant": "bob", "pages": [2], "detail": {}},
+        {"kind": "read", "request": "bob-2", "tenant": "bob", "pages": [2, 0], "detail": {"kv_len": 200}},
+    ]
+    assert checks.check_affected(solution("affected"), events).ok
+    v = checks.check_affected(lambda rows, t: any(r["last_writer_tenant"] != t for r in rows), events)
+    assert not v.ok and "Never-written" in v.message  # counts never-written pages as foreign
+
+
+def test_prediction_and_checksum_and_owner_check() -> None:
+    observed = {"none": "200 leak", "reject-before-transfer": "400"}
+    assert checks.check_prediction(dict(observed), observed).ok
+    assert not checks.check_prediction({"none": "?", "reject-before-transfer": "400"}, observed).ok
+    v = checks.check_prediction({"none": "200 leak", "reject-before-transfer": "error"}, observed)
+    assert not v.ok and "reject-before-transfer" in v.message
+    assert checks.check_checksum(solution("checksum")).ok
+    assert not checks.check_checksum(lambda pages, sums: []).ok
+    assert checks.check_owner_check(solution("owner_check")).ok
+    v = checks.check_owner_check(lambda table, w, r: [p for p in table if w.get(p) not in (None, r)])
+    assert not v.ok and "dan-1" in v.message  # a never-written page is not the reader's either
+
+
+def test_catcher() -> None:
+    cases = {
+        "leak": {"status": 200, "foreign_canaries": ["QZ7K2M9P"], "too_fast": True, "leaked": True},
+        "refusal": {"status": 400, "foreign_canaries": [], "too_fast": False, "leaked": False},
+        "clean": {"status": 200, "foreign_canaries": [], "too_fast": False, "leaked": False},
+    }
+    assert checks.check_catcher(solution("catcher"), cases).ok
+    v = checks.check_catcher(lambda c: c["status"] in (200, 400), cases)  # the launch's test
+    assert not v.ok and "Status and latency alone" in v.message
+
+
+def test_possibly_affected_and_messages_for_broken_answers() -> None:
+    assert checks.check_possibly_affected(solution("possibly_affected")).ok
+    too_wide = lambda log: [r["id"] for r in log if r["prompt_tokens"] > 681_280]  # noqa: E731 (ignores dates)
+    assert not checks.check_possibly_affected(too_wide).ok
+    v = checks.check_slot(lambda *a: 1 / 0)
+    assert not v.ok and "ZeroDivisionError" in v.message
+    v = checks.check_shortfall(None)  # type: ignore[arg-type]
+    assert not v.ok and "expected a function" in v.message
+    assert "not yet" in v._repr_html_() and checks.VERDICTS["shortfall"] is False
+
+
+@pytest.mark.parametrize("ps", [1, 7, 128])
+def test_slot_reference_is_the_engine_lookup(ps: int) -> None:
+    import torch
+
+    from minigrid_engine.attention import slot_ids
+
+    table = [5, 2, 9]
+    for pos in range(3 * ps):
+        page, off = solution("slot")(pos, table, ps)
+        assert page * ps + off == int(slot_ids(torch.tensor(table), torch.tensor([pos]), ps)[0])

@@ -1,0 +1,330 @@
+"""Exercise checkers: `check_*(answer)` runs a learner's answer on cases of its own (other
+numbers than the notebook's), and says what is wrong in the incident's terms, never a bare
+`AssertionError`. Every verdict is also kept in `VERDICTS`, which a notebook writes to its
+papermill result file so CI can assert that the reference answer passes and the stub does not.
+
+The reference answers live in `labs/.solutions/` (hidden in JupyterLab's file browser; see
+`labs/INSTRUCTOR.md`); `solution(name)` loads one for an instructor's run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SOLUTIONS = Path(__file__).resolve().parents[1] / "labs" / ".solutions" / "solutions.py"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    exercise: str
+    ok: bool
+    message: str
+
+    def _repr_html_(self) -> str:
+        colour, mark = ("#1B7F3B", "✔ correct") if self.ok else ("#B3261E", "✘ not yet")
+        return f"<div style='color:{colour}'><b>{mark}</b> ({self.exercise}): {self.message}</div>"
+
+    def __repr__(self) -> str:
+        return f"{'correct' if self.ok else 'not yet'} ({self.exercise}): {self.message}"
+
+
+VERDICTS: dict[str, bool] = {}
+
+
+def _verdict(exercise: str, ok: bool, message: str) -> Verdict:
+    VERDICTS[exercise] = ok
+    return Verdict(exercise, ok, message)
+
+
+def _run(exercise: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, Verdict | None]:
+    if not callable(fn):
+        return None, _verdict(exercise, False, f"expected a function, got {fn!r}")
+    try:
+        return fn(*args), None
+    except Exception as exc:  # the learner's bug, shown as a message
+        return None, _verdict(exercise, False, f"your function raised {type(exc).__name__}: {exc}")
+
+
+def solution(name: str) -> Any:
+    """The reference answer `name` (for instructors, and CI's run of the notebooks)."""
+    spec = importlib.util.spec_from_file_location("minigrid_lab_solutions", SOLUTIONS)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"no solutions at {SOLUTIONS}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+# -- 01 welcome ------------------------------------------------------------------------------
+def check_shortfall(fn: Callable[[dict[str, float]], int]) -> Verdict:
+    """`fn(metrics)` -> how many tokens the smallest KV pool is short of the context (0 if none)."""
+    cases = [
+        ({"prefill": 665, "decode": 4096}, 1024, 359),
+        ({"prefill": 681280, "decode": 4_000_000}, 1048576, 367296),
+        ({"prefill": 2048, "decode": 4096}, 1024, 0),
+        ({"prefill": 4096, "decode": 900}, 1024, 124),
+    ]
+    for pools, context, want in cases:
+        metrics = {f'minigrid_kv_pool_capacity_tokens{{role="{r}"}}': float(t) for r, t in pools.items()}
+        metrics["minigrid_context_length_tokens"] = float(context)
+        got, bad = _run("shortfall", fn, metrics)
+        if bad:
+            return bad
+        if got != want:
+            return _verdict(
+                "shortfall",
+                False,
+                f"for pools {pools} and a context of {context:,} tokens you said {got!r}; the smallest "
+                f"pool is {min(pools.values()):,} tokens, so the shortfall is {want:,} "
+                "(0 when every pool covers the context).",
+            )
+    return _verdict(
+        "shortfall", True, "the check reads the running engine's own numbers, as question 1 asks."
+    )
+
+
+# -- 02 paged KV cache -----------------------------------------------------------------------
+def check_slot(fn: Callable[[int, list[int], int], tuple[int, int]]) -> Verdict:
+    """`fn(position, block_table, page_size)` -> (page, offset) holding that token's K/V."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(50):
+        ps = rng.choice([1, 3, 16, 64, 128])
+        table = rng.sample(range(200), rng.randint(1, 8))
+        pos = rng.randrange(len(table) * ps)
+        got, bad = _run("slot", fn, pos, table, ps)
+        if bad:
+            return bad
+        want = (table[pos // ps], pos % ps)
+        if _as_tuple(got) != want:
+            return _verdict(
+                "slot",
+                False,
+                f"token {pos} of block table {table} (page size {ps}) is in block {pos // ps}, which is "
+                f"page {want[0]}, at offset {want[1]}; you said {got!r}. The block table maps blocks "
+                "(position // page size) to pages; pages are not in order.",
+            )
+    return _verdict("slot", True, "that is the lookup the attention kernel makes for every token it reads.")
+
+
+# -- 03 disaggregated serving ----------------------------------------------------------------
+def check_pages_sent(
+    fn: Callable[[dict[str, list[dict[str, Any]]], str], tuple[int, int]], trace: Any
+) -> Verdict:
+    """`fn(trace, request)` -> (pages prefill wrote, pages decode reserved) for `request`."""
+    from widgets.timeline import request_spans
+
+    spans = request_spans(trace)
+    if not spans:
+        return _verdict("pages_sent", False, "the trace holds no request yet: send one first.")
+    for req, s in spans.items():
+        got, bad = _run("pages_sent", fn, trace, req)
+        if bad:
+            return bad
+        want = (s.prefill_pages_written, s.decode_pages_reserved)
+        if _as_tuple(got) != want:
+            return _verdict(
+                "pages_sent",
+                False,
+                f"for {req} you said {got!r}; prefill wrote {want[0]} pages (its `write` events) and "
+                f"decode reserved {want[1]} (decode's `reserve` events).",
+            )
+    return _verdict("pages_sent", True, f"right for all {len(spans)} requests of this trace.")
+
+
+# -- 04 shrink the pool ----------------------------------------------------------------------
+def check_audit(fn: Callable[[dict[str, int], int], bool]) -> Verdict:
+    """`fn(pool_tokens_by_role, context_length)` -> True when the deployment is safe."""
+    cases = [
+        ({"prefill": 665, "decode": 4096}, 1024, False),
+        ({"prefill": 2048, "decode": 4096}, 1024, True),
+        ({"prefill": 4096, "decode": 512}, 1024, False),
+        ({"prefill": 1024, "decode": 1024}, 1024, True),
+        ({"prefill": 681280, "decode": 2_000_000}, 1048576, False),
+    ]
+    for pools, context, want in cases:
+        got, bad = _run("audit", fn, dict(pools), context)
+        if bad:
+            return bad
+        if bool(got) != want:
+            short = [r for r, t in pools.items() if t < context]
+            why = (
+                f"the {' and '.join(short)} pool holds fewer than {context:,} tokens"
+                if short
+                else "every pool holds a full-context prompt"
+            )
+            return _verdict(
+                "audit",
+                False,
+                f"for pools {pools} and context {context:,} you said "
+                f"{'safe' if got else 'unsafe'}, but {why}.",
+            )
+    return _verdict("audit", True, "every role's pool must cover the context, prefill included.")
+
+
+# -- 05 trigger the leak ---------------------------------------------------------------------
+def check_foreign_codes(fn: Callable[[str, list[str]], set[str]]) -> Verdict:
+    """`fn(answer, victim_prompts)` -> the victim's record codes (e.g. QZ7K2M9P) in the answer."""
+    victim = ["ALICE card QZ7K2M9P; ALICE pin 4471AB22; ", "ALICE key ZZ81KQ0M; "]
+    cases = [
+        (" card QZ7K2M9P; ALICE key ZZ81KQ0M;", {"QZ7K2M9P", "ZZ81KQ0M"}),
+        ("BOB card QQQQ1111; BOB card", set()),
+        ("E pin 4471AB22; ALI", {"4471AB22"}),
+        ("QZ7K2M", set()),  # half a code is not a code
+    ]
+    for text, want in cases:
+        got, bad = _run("foreign_codes", fn, text, victim)
+        if bad:
+            return bad
+        if set(got or ()) != want:
+            return _verdict(
+                "foreign_codes",
+                False,
+                f"in the answer {text!r} the victim's codes are {sorted(want) or 'none'}; you found "
+                f"{sorted(got or ()) or 'none'}. Only whole codes of a victim prompt count.",
+            )
+    return _verdict("foreign_codes", True, "that is a canary check: content, not status codes.")
+
+
+# -- 06 forensics ----------------------------------------------------------------------------
+def check_affected(
+    fn: Callable[[list[dict[str, Any]], str], bool], decode_events: list[dict[str, Any]]
+) -> Verdict:
+    """`fn(pages_read_rows, tenant)` -> True when any page read was last written by another tenant."""
+    from minigrid_engine.forensics import affected_responses, reads_by_request
+
+    reads = reads_by_request(decode_events)
+    affected = {a.request for a in affected_responses(decode_events)}
+    tenant_of = {e["request"]: e["tenant"] for e in decode_events if e.get("request") and e.get("tenant")}
+    synthetic: list[tuple[list[dict[str, Any]], str, bool]] = [
+        ([{"page": 3, "last_writer_tenant": "bob"}, {"page": 4, "last_writer_tenant": None}], "bob", False),
+        ([{"page": 3, "last_writer_tenant": "bob"}, {"page": 9, "last_writer_tenant": "carol"}], "bob", True),
+    ]
+    cases = [(rows, tenant_of.get(r, "?"), r in affected) for r, rows in reads.items()] + synthetic
+    for rows, tenant, want in cases:
+        got, bad = _run("affected", fn, rows, tenant)
+        if bad:
+            return bad
+        if bool(got) != want:
+            writers = sorted({str(r["last_writer_tenant"]) for r in rows})
+            return _verdict(
+                "affected",
+                False,
+                f"a response of {tenant} that read pages last written by {writers}: you said "
+                f"{'affected' if got else 'clean'}. Never-written pages (None) and the tenant's own pages "
+                "are not another customer's data.",
+            )
+    return _verdict("affected", True, f"agrees with the forensics on {len(cases)} responses.")
+
+
+# -- 07-09 the fixes -------------------------------------------------------------------------
+def check_prediction(predicted: dict[str, str], observed: dict[str, str]) -> Verdict:
+    """Predicted client outcomes ('200 leak', '400', 'error', '200 clean') against what ran."""
+    if not predicted or any(v in (None, "", "?") for v in predicted.values()):
+        return _verdict("prediction", False, "fill in a prediction for every fix first.")
+    wrong = {f: (predicted.get(f), o) for f, o in observed.items() if predicted.get(f) != o}
+    if wrong:
+        parts = "; ".join(f"{f}: you said {p!r}, the engine gave {o!r}" for f, (p, o) in wrong.items())
+        return _verdict("prediction", False, parts)
+    return _verdict("prediction", True, "each fix shows the client something different: that is the lesson.")
+
+
+def check_checksum(fn: Callable[[list[bytes], list[int]], list[int]]) -> Verdict:
+    """`fn(pages, checksums)` -> indices of pages whose Adler-32 differs from the one sent."""
+    import random
+
+    rng = random.Random(3)
+    for n_bad in (0, 1, 3):
+        pages = [bytes(rng.randrange(256) for _ in range(64)) for _ in range(6)]
+        sums = [zlib.adler32(p) for p in pages]
+        bad = sorted(rng.sample(range(6), n_bad))
+        for i in bad:
+            pages[i] = pages[i][:10] + bytes([pages[i][10] ^ 0xFF]) + pages[i][11:]
+        got, err = _run("checksum", fn, pages, sums)
+        if err:
+            return err
+        if sorted(got or []) != bad:
+            return _verdict(
+                "checksum",
+                False,
+                f"pages {bad or 'none'} were changed after their checksums were taken; you flagged "
+                f"{sorted(got or []) or 'none'}. Compare zlib.adler32(page) with the checksum sent.",
+            )
+    return _verdict("checksum", True, "decode verifies every reserved page before it batches the request.")
+
+
+def check_owner_check(fn: Callable[[list[int], dict[int, str | None], str], list[int]]) -> Verdict:
+    """`fn(block_table, last_writer, reader)` -> pages of the block table not last written by reader."""
+    cases = [
+        ([5, 9, 2], {5: "bob-4", 9: "alice-2", 2: "alice-1"}, "bob-4", [9, 2]),
+        ([1, 2], {1: "carol-7", 2: "carol-7"}, "carol-7", []),
+        ([7], {}, "dan-1", [7]),  # never written: not the reader's either
+    ]
+    for table, writers, reader, want in cases:
+        got, bad = _run("owner_check", fn, table, dict(writers), reader)
+        if bad:
+            return bad
+        if list(got or []) != want:
+            return _verdict(
+                "owner_check",
+                False,
+                f"{reader} about to read pages {table} last written by "
+                f"{ {p: writers.get(p) for p in table} }: the foreign pages are {want}, you said {got!r}.",
+            )
+    return _verdict("owner_check", True, "a check at every memory read, as Cloudflare's remaining work says.")
+
+
+# -- 10 catch it -----------------------------------------------------------------------------
+def check_catcher(fn: Callable[[Any], bool], replies: dict[str, Any]) -> Verdict:
+    """`fn(case)` -> True when the response passes; it must fail every leaking case, pass the rest."""
+    for name, case in replies.items():
+        got, bad = _run("catcher", fn, case)
+        if bad:
+            return bad
+        want = not case["leaked"]
+        if bool(got) != want:
+            return _verdict(
+                "catcher",
+                False,
+                f"case {name!r} (HTTP {case['status']}, {'leaked' if case['leaked'] else 'clean'}): "
+                f"your test "
+                f"said {'pass' if got else 'fail'}. Status and latency alone let the leak through.",
+            )
+    return _verdict(
+        "catcher", True, f"fails every leak and passes every clean answer ({len(replies)} cases)."
+    )
+
+
+# -- 11 postmortem ---------------------------------------------------------------------------
+def check_possibly_affected(fn: Callable[[list[dict[str, Any]]], list[str]]) -> Verdict:
+    """`fn(requests)` -> ids of a customer's requests that could be among the 155."""
+    log = [
+        {"id": "r1", "date": "2026-08-20", "prompt_tokens": 900_000},  # before the window
+        {"id": "r2", "date": "2026-08-27", "prompt_tokens": 700_000},
+        {"id": "r3", "date": "2026-09-01", "prompt_tokens": 681_280},  # not longer than the pool
+        {"id": "r4", "date": "2026-09-09", "prompt_tokens": 1_000_000},
+        {"id": "r5", "date": "2026-09-10", "prompt_tokens": 1_000_000},  # after the window
+        {"id": "r6", "date": "2026-09-03", "prompt_tokens": 12_000},
+    ]
+    want = ["r2", "r4"]
+    got, bad = _run("possibly_affected", fn, log)
+    if bad:
+        return bad
+    if sorted(got or []) != want:
+        return _verdict(
+            "possibly_affected",
+            False,
+            f"you said {sorted(got or [])}; the window is 27 August to 9 September 2026 inclusive and "
+            "every affected prompt was longer than 681,280 tokens: that leaves r2 and r4.",
+        )
+    return _verdict("possibly_affected", True, "question 4 answered from your own request log.")
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, (tuple, list)) else value
