@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --no-input --disable-pip-version-check
 
-.PHONY: setup lab test lint clean
+.PHONY: setup lab test lint labs-check clean
 
 setup: $(VENV)/.minigrid-setup
 
@@ -23,6 +23,9 @@ lab: setup
 
 test: setup
 	$(PY) -m pytest
+
+labs-check: setup  # every notebook headless, top to bottom, with its time and memory (labs/INSTRUCTOR.md)
+	$(PY) bench/labs.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

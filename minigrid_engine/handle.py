@@ -97,7 +97,7 @@ class Engine:
         cfg = cfg.with_(port=free_port(), admin_key=admin, **changes)
         log = Path(tempfile.mkstemp(prefix="minigrid-", suffix=".log")[1])
         cmd = [sys.executable, "-m", "minigrid_engine.cli", "serve", *_flags(cfg)]
-        env = dict(os.environ, MINIGRID_ADMIN_KEY=admin, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, MINIGRID_ADMIN_KEY=admin, PYTHONUNBUFFERED="1", MINIGRID_EXIT_WITH_PARENT="1")
         if cfg.inject:  # asked for by name in code: the notebook or test means it
             env["MINIGRID_FAULT_INJECTION"] = "1"
         with log.open("wb") as out:

@@ -2,14 +2,18 @@
 
 SIGINT or SIGTERM stops the HTTP server, then the workers (asked first, killed after a grace
 period). If this process is killed outright, the workers see their connection close and exit.
+Started by a notebook (`MINIGRID_EXIT_WITH_PARENT=1`), it also stops when its parent dies, so a
+restarted or killed notebook kernel leaves no engine behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -61,9 +65,26 @@ def serve(cfg: ServeConfig, ready_file: Path | None = None) -> int:
     print(f"minigrid: serving on {url}", file=sys.stderr, flush=True)
     if ready_file is not None:
         ready_file.write_text(url + "\n")
+    if os.environ.get("MINIGRID_EXIT_WITH_PARENT") == "1":
+        _exit_with_parent(server)
     try:
         server.run(sockets=[sock])
     finally:
         router.stop_workers()
         print("minigrid: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _exit_with_parent(server: uvicorn.Server, interval_s: float = 0.5) -> None:
+    """Ask `server` to exit once this process's parent is gone (it is then re-parented)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while not server.should_exit:
+            if os.getppid() != parent:
+                print("minigrid: the process that started this engine is gone; stopping", file=sys.stderr)
+                server.should_exit = True
+                return
+            threading.Event().wait(interval_s)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

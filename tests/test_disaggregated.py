@@ -210,6 +210,22 @@ def test_router_killed_outright_leaves_no_orphans() -> None:
     assert not any(_alive(p) for p in pids), "workers outlived a SIGKILLed router"
 
 
+def test_a_killed_notebook_kernel_leaves_no_engine() -> None:
+    """The embedded engine stops when the process that started it dies (a restarted kernel)."""
+    code = (
+        "from minigrid_engine.handle import Engine; from minigrid_engine.config import incident_preset; "
+        "import os, sys; e = Engine.start(incident_preset()); "
+        "print(e.proc.pid, *e.worker_pids().values(), flush=True); os.kill(os.getpid(), 9)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    pids = [int(x) for x in proc.stdout.split()]
+    assert len(pids) == 3, proc.stdout + proc.stderr
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "the engine outlived the kernel that started it"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
