@@ -23,7 +23,7 @@ from labs import run_lab  # noqa: E402  (bench/labs.py)
 
 
 def test_there_is_a_series() -> None:
-    assert len(NOTEBOOKS) >= 11, [n.name for n in NOTEBOOKS]
+    assert len(NOTEBOOKS) >= 12, [n.name for n in NOTEBOOKS]
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
@@ -148,3 +148,10 @@ def test_11_postmortem_answers_the_questions(tmp_path: Path) -> None:
 def test_11_student_copy_rejects_the_stub(tmp_path: Path) -> None:
     r = run("11_postmortem.ipynb", tmp_path, reveal_solutions=False)
     assert r["verdicts"] == {"possibly_affected": False}
+
+
+def test_12_the_kernel_reads_alices_pages_and_owner_check_flags_them(tmp_path: Path) -> None:
+    r = run("12_the_kernel.ipynb", tmp_path)
+    assert "ALICE" in r["answer"], r["answer"]
+    assert r["flagged_pages"] == r["alice_pages_read"] and r["flagged_pages"]
+    assert r["max_diff"] < 1e-5

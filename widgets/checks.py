@@ -280,6 +280,34 @@ def check_owner_check(fn: Callable[[list[int], dict[int, str | None], str], list
     return _verdict("owner_check", True, "a check at every memory read, as Cloudflare's remaining work says.")
 
 
+# -- 12 the kernel ---------------------------------------------------------------------------
+def check_program_pages(
+    fn: Callable[[list[int], int, int], list[int]], rows: list[dict[str, Any]]
+) -> Verdict:
+    """`fn(block_table, seq_len, page_size)` -> the pages a decode program reads, in order."""
+    import random
+
+    rng = random.Random(11)
+    cases = [(rng.sample(range(64), 6), rng.randint(1, 6 * ps), ps) for ps in (1, 16, 128) for _ in range(5)]
+    for table, seq_len, ps in cases:
+        got, bad = _run("program_pages", fn, table, seq_len, ps)
+        if bad:
+            return bad
+        want = table[: -(-seq_len // ps)]
+        if list(got or []) != want:
+            return _verdict(
+                "program_pages",
+                False,
+                f"block table {table}, {seq_len} tokens, pages of {ps}: the kernel reads blocks 0.."
+                f"{len(want) - 1}, pages {want}; you said {got!r}. Blocks past the length are never read.",
+            )
+    if rows:  # and what the real kernel did, recorded under the interpreter
+        read = [r["page"] for r in rows if r["kv_head"] == 0 and r["request"] == rows[0]["request"]]
+        if not read:
+            return _verdict("program_pages", False, "the recorded kernel run read no page")
+    return _verdict("program_pages", True, "the kernel reads exactly the pages its block table names.")
+
+
 # -- 10 catch it -----------------------------------------------------------------------------
 def check_catcher(fn: Callable[[Any], bool], replies: dict[str, Any]) -> Verdict:
     """`fn(case)` -> True when the response passes; it must fail every leaking case, pass the rest."""

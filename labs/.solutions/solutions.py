@@ -68,3 +68,7 @@ def possibly_affected(requests):  # 11
         for r in requests
         if start <= date.fromisoformat(r["date"]) <= end and r["prompt_tokens"] > 681_280
     ]
+
+
+def program_pages(block_table, seq_len, page_size):  # 12
+    return block_table[: -(-seq_len // page_size)]
