@@ -40,3 +40,110 @@ def test_cells_are_coloured_by_last_writer_and_read_pages_outlined() -> None:
     stale = next(t for t in fig.data if t.name == "decode stale")
     assert len(stale.x) == 2  # pages 1 and 2: held by bob, written by alice
     assert {t.name for t in fig.data if t.x == (None,)} == {"alice", "bob"}
+
+
+def test_live_pool_view_follows_a_local_pool() -> None:
+    from minigrid_engine.model import ModelConfig
+    from minigrid_engine.pool import KVPool, PoolConfig
+    from widgets.live import LocalPools, PoolView
+
+    pool = KVPool(PoolConfig(64, 16), ModelConfig(), role="demo")
+    view = PoolView(LocalPools(demo=pool), columns=4)
+    widget = view.live()
+
+    def work() -> list[int]:
+        res = pool.reserve("alice-1", "alice", 40)
+        pool.note_write("alice-1", "alice", res.pages)
+        pool.release("alice-1")
+        pool.reserve("bob-2", "bob", 20)
+        return res.pages
+
+    pages = view.follow(work)
+    cells = next(t for t in widget.data if t.name == "demo")
+    colours = tenant_colours(["alice"])
+    assert [cells.marker.color[p] for p in pages] == [colours["alice"]] * 3
+    # the free list hands alice's first pages to bob (most recently freed first)
+    assert "s ago" in cells.hovertext[pages[0]] and "owner: bob-2" in cells.hovertext[pages[0]]
+    assert "owner: free" in cells.hovertext[pages[-1]]
+    stale = next(t for t in widget.data if t.name == "demo stale")
+    assert len(stale.x) == 2  # bob holds two pages alice wrote
+
+
+def test_timeline_and_sequence_from_a_trace() -> None:
+    from widgets.timeline import protocol_messages, request_spans, sequence_figure, timeline_figure
+
+    def ev(role: str, t: float, kind: str, pages: list[int] = (), **detail: object) -> dict:  # type: ignore[assignment]
+        return {
+            "time": t,
+            "kind": kind,
+            "request": "bob-4",
+            "tenant": "bob",
+            "pages": list(pages),
+            "detail": detail,
+        }
+
+    trace = {
+        "prefill": [
+            ev("prefill", 0.0, "state", to="waiting"),
+            ev("prefill", 0.01, "state", to="prefilling"),
+            ev("prefill", 0.02, "write", [3], start=0, end=1),
+            ev("prefill", 0.03, "state", to="transferring"),
+        ],
+        "decode": [
+            ev("decode", 0.005, "state", to="prealloc"),
+            ev("decode", 0.006, "reserve", [1, 2, 3, 4, 5, 6, 7, 8]),
+            ev("decode", 0.007, "state", to="transferring"),
+            ev("decode", 0.04, "write", [1], source="transfer"),
+            ev("decode", 0.05, "state", to="decoding", kv_len=1000),
+            ev("decode", 0.09, "state", to="finished", outcome="length"),
+        ],
+    }
+    s = request_spans(trace)["bob-4"]
+    assert (s.prefill_pages_written, s.decode_pages_reserved, s.kv_len_at_decode) == (1, 8, 1000)
+    assert [p for p, _, _ in s.phases()] == ["queued", "prefill", "transfer", "decode"]
+    assert abs(s.ttft_s - 0.05) < 1e-9
+    labels = [m.label for m in protocol_messages(trace, "bob-4")]
+    assert labels == [
+        "Bootstrapped (room)",
+        "KVBootstrap: 8 decode pages",
+        "KV data: 1 page",
+        "done: Success (decode attends 1000 tokens)",
+    ]
+    assert len(sequence_figure(trace, "bob-4").layout.annotations) == 8
+    assert {t.name for t in timeline_figure(trace).data} >= {"prefill", "transfer", "decode", "first token"}
+
+
+def test_controls_restart_through_their_traitlets() -> None:
+    from widgets.controls import EngineControls
+
+    started: list[object] = []
+
+    class Fake:
+        def stop(self) -> None:
+            started.append("stopped")
+
+    def start(cfg: object) -> Fake:
+        started.append(cfg)
+        return Fake()
+
+    c = EngineControls(start=start)  # type: ignore[arg-type]
+    ready: list[object] = []
+    c.on_ready.append(ready.append)
+    c.pool.value = 2048
+    c.fixes.value = ("reject-before-transfer",)
+    c.apply.click()
+    cfg = started[0]
+    assert cfg.prefill_pool_tokens == 2048 and str(cfg.fixes) == "reject-before-transfer"  # type: ignore[attr-defined]
+    assert ready and c.progress.value == 1 and "ready" in c.status.value
+    c.tenants.value = "alice"  # no key: a clear message, the running engine kept
+    c.apply.click()
+    assert "NAME:KEY" in c.status.value and c.engine is not None and "stopped" not in started
+
+    def refuse(cfg: object) -> Fake:
+        raise RuntimeError(
+            "the engine exited with status 3:\nminigrid: ...\ncapacity-check: the prefill KV pool holds 665"
+        )
+
+    c2 = EngineControls(start=refuse)  # type: ignore[arg-type]
+    c2.apply.click()
+    assert c2.engine is None and "capacity-check: the prefill KV pool holds 665" in c2.status.value
