@@ -109,7 +109,7 @@ def _decode_kernel(
     BlockTables,  # [B, max_blocks] page ids
     SeqLens,  # [B] tokens to attend over (>= 1)
     PartOut,  # [B, n_heads, n_splits, head_dim] float32: this split's normalised output
-    PartLse,  # [B, n_heads, n_splits] float32: log2 of this split's softmax denominator
+    PartLse,  # [B, n_heads, n_splits] float32: log2 of sum(2^scores) over this split (its weight)
     PageTags,  # [n_pages] int64 last-writer tag of each page (owner-check only)
     ReaderTags,  # [B] int64 the reading request's tag (owner-check only)
     Foreign,  # [B, max_blocks] int8 out: 1 where the page read was last written by someone else
