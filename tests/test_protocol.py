@@ -1,0 +1,60 @@
+"""The protocol model check: the incident is the shortest counterexample; the fixes close it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from minigrid_engine.fixes import Fixes
+from minigrid_engine.protocol import COMBINED, INCIDENT, LATE_TRANSFER, check_protocol, fix_table
+from minigrid_engine.request import TRANSITIONS
+
+FIXED = replace(Fixes.all(), capacity_check=False)  # capacity-check alone refuses to start
+
+
+def test_none_counterexample_is_the_incident() -> None:
+    r = check_protocol(INCIDENT, Fixes.none())
+    assert r.violation is not None and r.violation_kind == "stale-read"
+    actions = [s.action for s in r.violation]
+    assert "stub" in actions
+    stub = next(s for s in r.violation if s.action == "stub")
+    assert stub.request == "bob-2" and "pending 400" in stub.text
+    send = [s for s in r.violation if s.action == "send" and s.request == "bob-2"]
+    assert send and "sends 1 page(s)" in send[0].text and "Success" in send[0].text
+    last = r.violation[-1]
+    assert last.action == "read" and last.request == "bob-2" and "alice-1" in last.text
+    assert len(r.violation) == 18  # BFS: no shorter trace reaches a stale read
+
+
+def test_all_fixes_hold() -> None:
+    assert check_protocol(INCIDENT, Fixes.all()).refused_to_start
+    for sc in (INCIDENT, LATE_TRANSFER, COMBINED):
+        r = check_protocol(sc, FIXED)
+        assert r.safe and r.complete, r.format()
+    assert check_protocol(LATE_TRANSFER, FIXED).states_explored > 1000
+
+
+@pytest.mark.parametrize(
+    ("scenario", "safe"),
+    [
+        (
+            INCIDENT,
+            {"reject-before-transfer", "coverage-check", "kv-checksum", "scrub-on-free", "owner-check"},
+        ),
+        (LATE_TRANSFER, {"owner-check", "deferred-release", "all"}),
+    ],
+)
+def test_fix_table(scenario, safe) -> None:
+    table = fix_table(scenario)
+    got = {name for name, r in table.items() if r.safe and not r.refused_to_start}
+    assert got == safe
+
+
+def test_model_edges_are_engine_edges() -> None:
+    for sc in (INCIDENT, LATE_TRANSFER):
+        for fixes in (Fixes.none(), FIXED):
+            r = check_protocol(sc, fixes)
+            assert r.edges
+            for old, new in r.edges:
+                assert new in TRANSITIONS[old], (old, new)
