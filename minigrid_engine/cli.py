@@ -187,6 +187,54 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     return 0 if report.isolated else 1
 
 
+def cmd_check_protocol(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from minigrid_engine import protocol
+    from minigrid_engine.fixes import parse_fixes
+
+    names = list(protocol.SCENARIOS) if args.scenario == "all" else [args.scenario]
+    bounds = {
+        "requests": protocol.parse_requests(args.requests) if args.requests else None,
+        "prefill_pages": args.prefill_pages,
+        "decode_pages": args.decode_pages,
+        "context_pages": args.context_pages,
+        "timeouts": args.timeouts,
+        "losses": args.losses,
+        "duplicates": args.duplicates,
+        "max_states": args.max_states,
+    }
+    scenarios = [protocol.make_scenario(protocol.SCENARIOS[n], **bounds) for n in names]
+    # one setting, or the fix table: none, each fix alone, all
+    settings = {args.fixes: parse_fixes(args.fixes)} if args.fixes is not None else protocol.fix_settings()
+    jobs = [(sc, name, fixes) for sc in scenarios for name, fixes in settings.items()]
+    results = []
+    for sc, name, fixes in tqdm(jobs, desc="model check", unit="run", disable=args.json or len(jobs) < 2):
+        results.append((sc, name, protocol.check_protocol(sc, fixes)))
+    if args.json:
+        print(json.dumps([r.to_dict() for _, _, r in results], indent=2))
+    elif args.fixes is not None:
+        print("\n\n".join(r.format() for _, _, r in results))
+    else:
+        for sc in scenarios:
+            rows = [(name, r) for s, name, r in results if s is sc]
+            print(protocol.format_table(sc, rows))
+            shortest = next((r for name, r in rows if name == "none" and r.violation), None)
+            if shortest is not None:
+                print("\nthe shortest counterexample with no fix:\n" + shortest.format())
+            print()
+    bad = [r for _, _, r in results if not r.complete]
+    if bad:
+        print(
+            f"minigrid check-protocol: {len(bad)} run(s) cut short at --max-states: no verdict",
+            file=sys.stderr,
+        )
+        return 2
+    if args.fixes is not None:
+        return 0 if all(r.safe for _, _, r in results) else 1
+    return 0 if all(r.safe for _, name, r in results if name.startswith("all")) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minigrid", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -272,6 +320,31 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--decode-pool-tokens", type=positive_int)
     f.add_argument("--json", action="store_true", help="the report as JSON (no progress bar)")
     f.set_defaults(func=cmd_fuzz)
+
+    m = sub.add_parser(
+        "check-protocol",
+        help="explore every interleaving of the admission and transfer protocol: exit 0 when isolation holds",
+        description="Breadth-first model check of the prefill/decode protocol (minigrid_engine/protocol.py). "
+        "Without --fixes: the table of none, each fix alone and all, and the shortest counterexample. "
+        "One unit is one page.",
+    )
+    m.add_argument("--scenario", choices=["incident", "late-transfer", "combined", "all"], default="incident")
+    m.add_argument("--fixes", help="check one setting (none, all, or fix names) and print its trace")
+    m.add_argument("--requests", metavar="TENANT:PAGES,...", help="the requests, e.g. alice:2,bob:3")
+    m.add_argument("--prefill-pages", type=positive_int, help="pages in the prefill pool")
+    m.add_argument("--decode-pages", type=positive_int, help="pages in the decode pool")
+    m.add_argument("--context-pages", type=positive_int, help="the advertised context length, in pages")
+    m.add_argument(
+        "--timeouts",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode may give up on a transfer that is late (and it may land afterwards)",
+    )
+    m.add_argument("--losses", type=int, help="messages the network may lose (0-3)")
+    m.add_argument("--duplicates", type=int, help="messages the network may deliver twice (0-3)")
+    m.add_argument("--max-states", type=positive_int, help="stop a search after this many states (2,000,000)")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_check_protocol)
 
     q = sub.add_parser("pool", help="show the size of a KV pool: tokens, pages, bytes")
     _add_pool_flags(q)

@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from minigrid_engine.errors import ConfigError
 from minigrid_engine.fixes import Fixes
 from minigrid_engine.request import TRANSITIONS, IllegalTransition, State
 
@@ -82,6 +83,54 @@ LATE_TRANSFER = Scenario(
 # Everything at once, for the fixed engine: stub, timeouts, one loss, one duplicate.
 COMBINED = replace(INCIDENT, name="combined", timeouts=True, losses=1, duplicates=1)
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (INCIDENT, LATE_TRANSFER, COMBINED)}
+MAX_REQUESTS = 4  # each request multiplies the interleavings; 4 is already millions of states
+
+
+def parse_requests(text: str) -> tuple[ReqSpec, ...]:
+    """`TENANT:PAGES,TENANT:PAGES` (e.g. `alice:2,bob:3`) as the requests of a scenario, in order."""
+    specs = []
+    for i, item in enumerate((t.strip() for t in text.split(",") if t.strip()), 1):
+        tenant, sep, pages = item.partition(":")
+        if not sep or not tenant.isidentifier():
+            raise ConfigError(f"request {item!r}: write TENANT:PAGES, e.g. alice:2")
+        try:
+            n = int(pages)
+        except ValueError:
+            raise ConfigError(f"request {item!r}: PAGES must be a whole number, got {pages!r}") from None
+        specs.append(ReqSpec(f"{tenant}-{i}", tenant, n))
+    if not specs:
+        raise ConfigError(f"--requests {text!r}: give at least one TENANT:PAGES")
+    return tuple(specs)
+
+
+def make_scenario(base: Scenario, **bounds: object) -> Scenario:
+    """`base` with the given bounds replaced (None leaves one as it is), checked for sense.
+
+    Raises `ConfigError` naming the numbers: pools and prompts of at least one page, no prompt longer
+    than the context (the router answers those 400 before any protocol runs), at most
+    `MAX_REQUESTS` requests, losses and duplicates between 0 and 3.
+    """
+    changes = {k: v for k, v in bounds.items() if v is not None}
+    if changes:
+        changes.setdefault("name", f"{base.name} (custom bounds)")
+    sc = replace(base, **changes)  # type: ignore[arg-type]
+    for what in ("prefill_pages", "decode_pages", "context_pages"):
+        if getattr(sc, what) < 1:
+            raise ConfigError(f"{what.replace('_', ' ')} must be at least 1, got {getattr(sc, what)}")
+    if not 1 <= len(sc.requests) <= MAX_REQUESTS:
+        raise ConfigError(f"{len(sc.requests)} requests: the model checks 1 to {MAX_REQUESTS}")
+    for r in sc.requests:
+        if not 1 <= r.pages <= sc.context_pages:
+            raise ConfigError(
+                f"request {r.name}: {r.pages} pages; prompts run from 1 page to the context length "
+                f"({sc.context_pages} pages): longer ones get 400 at the router, before the protocol"
+            )
+    for what in ("losses", "duplicates"):
+        if not 0 <= getattr(sc, what) <= 3:
+            raise ConfigError(f"{what} must be between 0 and 3, got {getattr(sc, what)}")
+    if sc.max_states < 1:
+        raise ConfigError(f"max states must be at least 1, got {sc.max_states}")
+    return sc
 
 
 # -- messages (plain tuples, so states hash fast) ---------------------------------------------
@@ -143,6 +192,34 @@ class ModelCheckResult:
     @property
     def safe(self) -> bool:
         return self.violation is None
+
+    @property
+    def verdict(self) -> str:
+        if self.refused_to_start:
+            return "refuses to start"
+        if self.violation is not None:
+            return f"{self.violation_kind} in {len(self.violation)} steps"
+        return "safe" if self.complete else "no verdict (cut short)"
+
+    def to_dict(self) -> dict[str, object]:
+        """The result as plain data (the trace as steps; the explored edges left out)."""
+        return {
+            "scenario": self.scenario,
+            "fixes": self.fixes,
+            "verdict": self.verdict,
+            "safe": self.safe,
+            "refused_to_start": self.refused_to_start,
+            "complete": self.complete,
+            "states_explored": self.states_explored,
+            "transitions": self.transitions,
+            "violation_kind": self.violation_kind,
+            "violation": None
+            if self.violation is None
+            else [
+                {"actor": s.actor, "action": s.action, "request": s.request, "text": s.text}
+                for s in self.violation
+            ],
+        }
 
     def format(self) -> str:
         head = f"protocol model check: scenario {self.scenario}, fixes {self.fixes}"
@@ -639,8 +716,34 @@ SINGLE_FIXES: tuple[str, ...] = (
 )
 
 
-def fix_table(scenario: Scenario = INCIDENT) -> dict[str, ModelCheckResult]:
-    """none, each single fix, and all, on one scenario."""
+def fix_settings() -> dict[str, Fixes]:
+    """none, each single fix, and all: the rows of a fix table."""
     settings = {"none": Fixes.none(), **{n: Fixes(**{n.replace("-", "_"): True}) for n in SINGLE_FIXES}}
     settings["all"] = Fixes.all()
-    return {name: check_protocol(scenario, f) for name, f in settings.items()}
+    # capacity-check refuses a pool shorter than the context: the rest still has to hold on its own
+    settings["all-but-capacity-check"] = replace(Fixes.all(), capacity_check=False)
+    return settings
+
+
+def fix_table(scenario: Scenario = INCIDENT) -> dict[str, ModelCheckResult]:
+    """none, each single fix, and all, on one scenario."""
+    return {name: check_protocol(scenario, f) for name, f in fix_settings().items()}
+
+
+def describe(sc: Scenario) -> str:
+    """The bounds of a scenario in one line."""
+    reqs = ", ".join(f"{r.name} {r.pages}p" for r in sc.requests)
+    extras = [x for x, on in (("timeouts", sc.timeouts),) if on]
+    extras += [f"{n} {what}" for what, n in (("loss(es)", sc.losses), ("duplicate(s)", sc.duplicates)) if n]
+    return (
+        f"{sc.name}: {reqs}; prefill pool {sc.prefill_pages}p, decode pool {sc.decode_pages}p, "
+        f"context {sc.context_pages}p" + (f"; {', '.join(extras)}" if extras else "")
+    )
+
+
+def format_table(sc: Scenario, rows: list[tuple[str, ModelCheckResult]]) -> str:
+    """A fix table as text: setting, verdict, states explored."""
+    width = max(len(name) for name, _ in rows)
+    lines = [describe(sc), f"  {'fixes':<{width}}  {'states':>8}  verdict"]
+    lines += [f"  {name:<{width}}  {r.states_explored:>8,}  {r.verdict}" for name, r in rows]
+    return "\n".join(lines)

@@ -27,6 +27,14 @@ def minigrid(*args: str, timeout: int = 120) -> subprocess.CompletedProcess[str]
         (["generate", "--prompt", ""], "prompt is empty"),
         (["generate", "--prompt", "hi", "--max-tokens", "-3"], "-3 must be at least 1"),
         (["bogus"], "invalid choice: 'bogus'"),
+        (
+            ["check-protocol", "--requests", "alice:9"],
+            "alice-1: 9 pages; prompts run from 1 page to the context",
+        ),
+        (["check-protocol", "--requests", "alice"], "request 'alice': write TENANT:PAGES"),
+        (["check-protocol", "--requests", "a:1,b:1,c:1,d:1,e:1"], "5 requests: the model checks 1 to 4"),
+        (["check-protocol", "--losses", "7"], "losses must be between 0 and 3, got 7"),
+        (["check-protocol", "--fixes", "bogus"], "unknown fix 'bogus'"),
     ],
 )
 def test_bad_values_get_one_clear_line(args: list[str], message: str) -> None:
@@ -64,3 +72,41 @@ def test_generate_rejects_a_prompt_over_the_context() -> None:
     proc = minigrid("generate", "--prompt", "x" * 300, "--context-length", "256", "--pool-tokens", "512")
     assert proc.returncode == 1
     assert "prompt of 300 tokens + max_tokens 32 = 332 exceeds the context length 256" in proc.stderr
+
+
+def test_check_protocol_finds_the_incident_and_the_fixes_close_it() -> None:
+    import json
+
+    bug = minigrid("check-protocol", "--fixes", "none")
+    assert bug.returncode == 1, bug.stderr
+    assert "VIOLATION (stale-read), shortest trace of 18 steps" in bug.stdout
+    assert "reads page 1 of alice-1 (alice)" in bug.stdout
+    fixed = minigrid("check-protocol", "--scenario", "late-transfer", "--fixes", "all", "--json")
+    assert fixed.returncode == 0, fixed.stderr
+    (result,) = json.loads(fixed.stdout)
+    assert result["safe"] and result["complete"] and result["states_explored"] > 1000
+    # other bounds than the built-in scenarios: three tenants, a bigger pool, a prompt over it
+    custom = minigrid(
+        "check-protocol",
+        "--requests",
+        "carol:1,dave:2,erin:4",
+        "--prefill-pages",
+        "3",
+        "--decode-pages",
+        "5",
+        "--context-pages",
+        "4",
+    )
+    assert custom.returncode == 0, custom.stdout + custom.stderr
+    rows = dict(re.findall(r"^  (\S+)\s+[\d,]+  (.+)$", custom.stdout, re.M))
+    assert rows["none"].startswith("stale-read"), custom.stdout
+    assert rows["capacity-check"] == "refuses to start"
+    assert rows["all-but-capacity-check"] == "safe" and rows["reject-before-transfer"] == "safe"
+    assert "reads page" in custom.stdout and "erin-3" in custom.stdout
+
+
+def test_check_protocol_cut_short_says_no_verdict() -> None:
+    proc = minigrid("check-protocol", "--scenario", "late-transfer", "--fixes", "all", "--max-states", "50")
+    assert proc.returncode == 2
+    assert "search cut short at max_states: no verdict" in proc.stdout
+    assert "cut short at --max-states" in proc.stderr

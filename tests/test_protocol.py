@@ -40,9 +40,16 @@ def test_all_fixes_hold() -> None:
     [
         (
             INCIDENT,
-            {"reject-before-transfer", "coverage-check", "kv-checksum", "scrub-on-free", "owner-check"},
+            {
+                "reject-before-transfer",
+                "coverage-check",
+                "kv-checksum",
+                "scrub-on-free",
+                "owner-check",
+                "all-but-capacity-check",
+            },
         ),
-        (LATE_TRANSFER, {"owner-check", "deferred-release", "all"}),
+        (LATE_TRANSFER, {"owner-check", "deferred-release", "all", "all-but-capacity-check"}),
     ],
 )
 def test_fix_table(scenario, safe) -> None:
