@@ -188,6 +188,7 @@ class ModelCheckResult:
     refused_to_start: bool = False  # capacity-check: the pool does not cover the context
     complete: bool = True  # False if max_states cut the search short
     edges: set[tuple[State, State]] = field(default_factory=set)
+    violation_states: list[World] | None = None  # the state after each step of `violation`
 
     @property
     def safe(self) -> bool:
@@ -672,12 +673,13 @@ def check_protocol(scenario: Scenario = INCIDENT, fixes: Fixes | None = None) ->
     parent: dict[World, tuple[World, Step] | None] = {start: None}
     frontier: deque[World] = deque([start])
 
-    def trace(w: World, last: Step) -> list[Step]:
-        steps = [last]
+    def trace(w: World, last: Step, after: World) -> tuple[list[Step], list[World]]:
+        steps, worlds = [last], [after]
         while (entry := parent[w]) is not None:
+            worlds.append(w)
             w, step = entry
             steps.append(step)
-        return steps[::-1]
+        return steps[::-1], worlds[::-1]
 
     while frontier:
         w = frontier.popleft()
@@ -689,13 +691,16 @@ def check_protocol(scenario: Scenario = INCIDENT, fixes: Fixes | None = None) ->
                 broken = model.double_owner(nxt)
                 if broken is not None:
                     bad = Step("model", "invariant", step.request, broken)
-                    result.violation, result.violation_kind = [*trace(w, step), bad], "double-owner"
+                    steps, worlds = trace(w, step, nxt)
+                    result.violation, result.violation_kind = [*steps, bad], "double-owner"
+                    result.violation_states = [*worlds, nxt]
                     result.states_explored = len(parent)
                     return result
                 parent[nxt] = (w, step)
                 frontier.append(nxt)
         except _Violation as v:
-            result.violation, result.violation_kind = trace(w, v.step), v.kind
+            result.violation, result.violation_states = trace(w, v.step, w)  # a read moves no page
+            result.violation_kind = v.kind
             result.states_explored = len(parent)
             return result
         if len(parent) >= scenario.max_states:

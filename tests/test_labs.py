@@ -155,3 +155,19 @@ def test_12_the_kernel_reads_alices_pages_and_owner_check_flags_them(tmp_path: P
     assert "ALICE" in r["answer"], r["answer"]
     assert r["flagged_pages"] == r["alice_pages_read"] and r["flagged_pages"]
     assert r["max_diff"] < 1e-5
+
+
+def test_13_model_check_finds_the_incident_and_the_fixes_close_it(tmp_path: Path) -> None:
+    r = run("13_model_check.ipynb", tmp_path)
+    assert r["incident_steps"] == 18 and "alice" in r["incident_last_step"]
+    assert r["incident_table"]["none"].startswith("stale-read")
+    assert r["incident_table"]["reject-before-transfer"] == "safe"
+    assert r["incident_table"]["capacity-check"] == "refuses to start"
+    assert r["late_table"]["owner-check"] == r["late_table"]["deferred-release"] == "safe"
+    assert r["late_table"]["kv-checksum"].startswith("stale-read")
+    assert r["combined_safe"] and r["combined_states"] > 100 and r["edges_outside_table"] == 0
+
+
+def test_13_student_copy_rejects_the_stubs(tmp_path: Path) -> None:
+    r = run("13_model_check.ipynb", tmp_path, reveal_solutions=False)
+    assert r["verdicts"] == {"fix_prediction": False, "counterexample_bounds": False}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -352,6 +352,81 @@ def check_possibly_affected(fn: Callable[[list[dict[str, Any]]], list[str]]) -> 
             "every affected prompt was longer than 681,280 tokens: that leaves r2 and r4.",
         )
     return _verdict("possibly_affected", True, "question 4 answered from your own request log.")
+
+
+# -- 13 model check --------------------------------------------------------------------------
+def check_counterexample_bounds(bounds: dict[str, Any]) -> Verdict:
+    """`bounds` (requests, prefill_pages, decode_pages, context_pages) -> a scenario of the
+    learner's own, with a prefill pool of 3 pages or more, where the bug-compatible protocol leaks
+    and the fixed one (every fix but capacity-check) holds."""
+    from minigrid_engine.errors import ConfigError
+    from minigrid_engine.fixes import Fixes
+    from minigrid_engine.protocol import INCIDENT, check_protocol, make_scenario, parse_requests
+
+    ex = "counterexample_bounds"
+    if not isinstance(bounds, dict) or not bounds.get("requests"):
+        return _verdict(ex, False, "give a dict with requests ('alice:2,bob:3'), prefill_pages, ...")
+    try:
+        sc = make_scenario(
+            INCIDENT,
+            requests=parse_requests(str(bounds["requests"])),
+            prefill_pages=bounds.get("prefill_pages"),
+            decode_pages=bounds.get("decode_pages"),
+            context_pages=bounds.get("context_pages"),
+            max_states=200_000,
+        )
+    except ConfigError as exc:
+        return _verdict(ex, False, f"the model refuses these bounds: {exc}")
+    if sc.prefill_pages < 3:
+        return _verdict(
+            ex, False, f"a prefill pool of {sc.prefill_pages} pages is the notebook's: use 3 or more."
+        )
+    bug = check_protocol(sc, Fixes.none())
+    if bug.violation is None:
+        long = [r.name for r in sc.requests if r.pages > sc.prefill_pages]
+        if not long:
+            hint = (
+                f"every prompt fits the {sc.prefill_pages}-page prefill pool, so prefill never makes the "
+                "one-token stub: make one prompt longer than the pool, but within the context."
+            )
+        elif len({r.tenant for r in sc.requests}) < 2:
+            hint = "every request is one tenant's: a stale page is only a leak when another tenant wrote it."
+        elif max(r.pages for r in sc.requests) > sc.decode_pages:
+            hint = f"the decode pool ({sc.decode_pages} pages) cannot preallocate {long[0]}'s full length."
+        else:
+            hint = (
+                f"{long[0]} over-runs the pool, but no other tenant's request writes pages before it: put "
+                "a tenant's request ahead of it."
+            )
+        return _verdict(ex, False, f"no stale read in {bug.states_explored} states: {hint}")
+    fixed = check_protocol(sc, replace(Fixes.all(), capacity_check=False))
+    if not fixed.safe:
+        return _verdict(
+            ex, False, f"even the fixed protocol fails here: {fixed.violation_kind} (tell the instructor)"
+        )
+    return _verdict(
+        ex,
+        True,
+        f"your bounds leak in {len(bug.violation)} steps ({bug.states_explored} states); the fixed "
+        f"protocol holds in all {fixed.states_explored} states.",
+    )
+
+
+def check_fix_prediction(predicted: dict[str, str], observed: dict[str, str]) -> Verdict:
+    """Predicted 'safe' or 'leak' per fix against the model check's verdicts."""
+    ex = "fix_prediction"
+    if not predicted or set(predicted.values()) - {"safe", "leak"} or set(observed) - set(predicted):
+        return _verdict(ex, False, f"say 'safe' or 'leak' for each of: {', '.join(observed)}.")
+    wrong = [
+        f"{f}: you said {predicted[f]!r}, the model says {o!r}"
+        for f, o in observed.items()
+        if predicted[f] != o
+    ]
+    if wrong:
+        return _verdict(
+            ex, False, "; ".join(wrong) + ". Step through the late-transfer trace: when is the write?"
+        )
+    return _verdict(ex, True, "only a fix that acts at the late write or at the read stops a late transfer.")
 
 
 def _as_tuple(value: Any) -> Any:

@@ -72,3 +72,23 @@ def possibly_affected(requests):  # 11
 
 def program_pages(block_table, seq_len, page_size):  # 12
     return block_table[: -(-seq_len // page_size)]
+
+
+# 13: a prompt over a 3-page pool, after another tenant's request
+counterexample_bounds = {
+    "requests": "carol:3,dave:4",
+    "prefill_pages": 3,
+    "decode_pages": 4,
+    "context_pages": 4,
+}
+
+
+late_transfer_prediction = {  # 13: only the fixes at the late write or at the read hold
+    "capacity-check": "leak",
+    "reject-before-transfer": "leak",
+    "coverage-check": "leak",
+    "kv-checksum": "leak",
+    "scrub-on-free": "leak",
+    "owner-check": "safe",
+    "deferred-release": "safe",
+}
