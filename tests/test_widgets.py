@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from widgets.pool_view import NEVER, pool_figure, tenant_colours
 
 
@@ -147,3 +149,26 @@ def test_controls_restart_through_their_traitlets() -> None:
     c2 = EngineControls(start=refuse)  # type: ignore[arg-type]
     c2.apply.click()
     assert c2.engine is None and "capacity-check: the prefill KV pool holds 665" in c2.status.value
+
+
+def test_model_check_figures_outline_the_stale_pages() -> None:
+    from dataclasses import replace
+
+    from minigrid_engine.fixes import Fixes
+    from minigrid_engine.protocol import INCIDENT, check_protocol, fix_table
+    from widgets.model_check import counterexample_figure, fix_table_figure
+    from widgets.pool_view import tenant_colours
+
+    bug = check_protocol(INCIDENT, Fixes.none())
+    fig = counterexample_figure(bug, INCIDENT)
+    stale = [t for t in fig.data if t.marker.line.width == 4]
+    assert stale and all(t.marker.color == tenant_colours(["alice", "bob"])["alice"] for t in stale)
+    cells = {(x, y) for t in stale for x, y in zip(t.x, t.y, strict=True)}
+    last = fig.layout.yaxis.categoryarray[-1]
+    assert ("d1", last) in cells  # bob reads decode page 1, last written by alice, at the last step
+    assert all(x.startswith("d") for x, _ in cells)  # prefill never holds a stale page here
+    with pytest.raises(ValueError, match="no counterexample"):
+        counterexample_figure(check_protocol(INCIDENT, replace(Fixes.all(), capacity_check=False)), INCIDENT)
+    bars = fix_table_figure(fix_table(INCIDENT), "incident").data[0]
+    verdicts = dict(zip(bars.y, bars.text, strict=True))
+    assert verdicts["none"].startswith("stale-read") and verdicts["owner-check"] == "safe"
