@@ -13,6 +13,7 @@ import json
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from minigrid_engine.errors import MinigridError
@@ -142,14 +143,55 @@ def cmd_serve(args: argparse.Namespace) -> int:
             changes[flag] = getattr(args, flag)
     # Every fix is on unless asked otherwise (DESIGN.md); on the incident numbers that means
     # capacity-check refuses to start, which is the point: `--fixes none` reproduces the incident.
-    changes["fixes"] = parse_fixes(args.fixes if args.fixes is not None else "all")
+    # A workshop room starts with the fixes off: the lesson is the leak (the instructor switches
+    # them on live, POST /v1/minigrid/fixes).
+    default_fixes = "none" if args.workshop is not None else "all"
+    changes["fixes"] = parse_fixes(args.fixes if args.fixes is not None else default_fixes)
     if args.tenants is not None:
         changes["tenants"] = parse_tenants(args.tenants)
     if args.inject:
         parse_faults(args.inject)  # refused here, before anything starts, unless allowed
         changes["inject"] = tuple(args.inject)
+    on_listening = None
+    if args.workshop is not None:
+        on_listening = _workshop(args, changes)
+    elif args.keys_file is not None or args.overwrite_keys or args.public_url is not None:
+        raise MinigridError("--keys-file, --overwrite-keys and --public-url go with --workshop N")
     cfg = base.with_(**changes)
-    return serve(cfg, args.ready_file)
+    return serve(cfg, args.ready_file, on_listening)
+
+
+def _workshop(args: argparse.Namespace, changes: dict[str, object]):  # -> Callable[[str], list[str]]
+    """Workshop mode: the room's keys (checked before anything starts), written once it listens."""
+    from minigrid_engine.workshop import check_keys_file, make_room, write_keys
+
+    if args.tenants is not None or args.admin_key is not None:
+        raise MinigridError(
+            "--workshop N makes the students' and the instructor's keys: drop --tenants/--admin-key"
+        )
+    if args.public_url is not None and not args.public_url.startswith(("http://", "https://")):
+        raise MinigridError(f"--public-url {args.public_url!r} must start with http:// or https://")
+    keys_file: Path = args.keys_file or Path("workshop-keys.csv")
+    check_keys_file(keys_file, args.overwrite_keys)
+    room = make_room(args.workshop)
+    changes["tenants"], changes["admin_key"] = room.students, room.instructor_key
+
+    def written(url: str) -> list[str]:
+        host = url.split("//", 1)[1].rsplit(":", 1)
+        if args.public_url is None and host[0].strip("[]") in ("0.0.0.0", "::"):
+            import socket
+
+            url = f"http://{socket.getfqdn()}:{host[1]}"  # what students' machines can dial
+        shown = (args.public_url or url).rstrip("/")
+        paths = write_keys(replace(room, url=shown), keys_file, args.overwrite_keys)
+        return [
+            f"workshop: {len(room.students)} student keys and the instructor key written to "
+            f"{paths[0]} and {paths[1]} (mode 0600; the keys are not printed here)",
+            f"workshop: students connect with Engine.connect({shown!r}, KEY); "
+            "delete the keys files after class",
+        ]
+
+    return written
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -287,6 +329,22 @@ def build_parser() -> argparse.ArgumentParser:
         "delay-transfer=SECONDS, drop-done, duplicate-done",
     )
     s.add_argument("--ready-file", type=Path, help="write the server's URL here once it serves")
+    s.add_argument(
+        "--workshop",
+        type=int,
+        metavar="N",
+        help="one shared engine for a room: N student keys (student01..) and an instructor key, "
+        "written to --keys-file; fixes none unless --fixes is given",
+    )
+    s.add_argument(
+        "--keys-file",
+        type=Path,
+        help="workshop keys as text/CSV for printing slips (default workshop-keys.csv), and a .json twin",
+    )
+    s.add_argument("--overwrite-keys", action="store_true", help="replace an existing keys file")
+    s.add_argument(
+        "--public-url", help="the URL students dial, written to the keys file (default: the one served)"
+    )
     s.set_defaults(func=cmd_serve)
 
     au = sub.add_parser(

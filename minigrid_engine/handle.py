@@ -10,7 +10,12 @@
 
 It runs `minigrid serve` as a child process on a free loopback port (no server to start by
 hand), with an admin key of its own so it may read the pools and the whole trace.
-`Engine.connect(url, key)` talks to an engine someone else started.
+`Engine.connect(url, key)` talks to an engine someone else started (workshop mode: the room's
+engine; `MINIGRID_URL` and `MINIGRID_API_KEY` stand in for the arguments):
+
+    eng = Engine.connect("http://10.0.0.5:8000", "sk-...")   # the key on your slip
+    eng.tenant                                               # 'student07'
+    eng.complete(eng.tenant, "...")                          # as yourself; eng.trace(): your own events
 """
 
 from __future__ import annotations
@@ -61,6 +66,22 @@ class EngineNotReady(MinigridError):
     pass
 
 
+class EngineRefused(MinigridError):
+    """The engine answered with an error (a wrong key, an admin-only view, a bad value)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _refused(r: httpx.Response, what: str) -> EngineRefused:
+    try:
+        msg = r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        msg = r.text[:200]
+    return EngineRefused(r.status_code, f"{what}: HTTP {r.status_code}: {msg}")
+
+
 class Engine:
     def __init__(
         self,
@@ -77,6 +98,7 @@ class Engine:
         self.proc = proc
         self.log_path = log_path
         self.cfg = cfg
+        self.tenant = "admin" if admin_key else None  # who `connect(url, key)` is; see trace()
         self.http = httpx.Client(base_url=self.url, timeout=120)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -110,8 +132,54 @@ class Engine:
         return eng
 
     @classmethod
-    def connect(cls, url: str, tenants: dict[str, str], admin_key: str | None = None) -> Engine:
-        return cls(url, tenants, admin_key)
+    def connect(
+        cls,
+        url: str | None = None,
+        api_key: str | None = None,
+        *,
+        tenants: dict[str, str] | None = None,
+        admin_key: str | None = None,
+        timeout_s: float = 10,
+    ) -> Engine:
+        """Talk to an engine someone else started, as the owner of `api_key` (a student's key, or
+        the instructor's admin key), or with several `tenants`' keys. `url` and `api_key` default
+        to `$MINIGRID_URL` and `$MINIGRID_API_KEY`. Checks the key at once: a wrong key or an
+        unreachable URL is a clear error here, not at the first request."""
+        url = url or os.environ.get("MINIGRID_URL")
+        api_key = api_key or os.environ.get("MINIGRID_API_KEY") or None
+        if not url:
+            raise MinigridError("no engine URL: pass Engine.connect(url, key) or set MINIGRID_URL")
+        if not url.startswith(("http://", "https://")):
+            raise MinigridError(f"engine URL {url!r} must start with http:// or https://")
+        if api_key is None and not tenants and not admin_key:
+            raise MinigridError("no API key: pass Engine.connect(url, key) or set MINIGRID_API_KEY")
+        eng = cls(url, dict(tenants or {}), admin_key)
+        if api_key is None:
+            return eng
+        try:
+            r = eng.http.get(
+                "/v1/minigrid/config", headers={"Authorization": f"Bearer {api_key}"}, timeout=timeout_s
+            )
+        except httpx.HTTPError as exc:
+            eng.http.close()
+            raise MinigridError(
+                f"cannot reach the engine at {eng.url}: {exc} (is the URL right, and is the engine running?)"
+            ) from None
+        if r.status_code == 401:
+            eng.http.close()
+            raise MinigridError(
+                f"the engine at {eng.url} refused this API key (401): check the key you were given"
+            )
+        if r.status_code != 200:
+            eng.http.close()
+            raise _refused(r, f"the engine at {eng.url} did not answer /v1/minigrid/config")
+        you = r.json()["you"]
+        if you == "admin":
+            eng.admin_key, eng.tenant = api_key, "admin"
+        else:
+            eng.tenant = you
+            eng.tenants[you] = api_key
+        return eng
 
     def wait_ready(self, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
@@ -184,19 +252,48 @@ class Engine:
         )
 
     def pools(self) -> dict[str, list[dict[str, Any]]]:
-        """Owner table of each role: owner, last writer and staleness of every page."""
+        """Owner table of each role: owner, last writer and staleness of every page (admin key)."""
+        if not self.admin_key:
+            raise MinigridError("the page pools are shown to the admin (instructor) key only")
         r = self.http.get("/v1/minigrid/pools", headers={"Authorization": f"Bearer {self._key('admin')}"})
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise _refused(r, "the page pools")
         return dict(r.json())
 
-    def trace(self, since: int = 0, tenant: str = "admin") -> dict[str, list[dict[str, Any]]]:
-        """Trace events of each role (the admin sees all; a tenant only its own)."""
+    def trace(self, since: int = 0, tenant: str | None = None) -> dict[str, list[dict[str, Any]]]:
+        """Trace events of each role (the admin sees all; a tenant only its own). `tenant` defaults
+        to whoever this handle is: the admin, or the student whose key `connect` was given."""
         r = self.http.get(
             "/v1/minigrid/trace",
             params={"since": since},
-            headers={"Authorization": f"Bearer {self._key(tenant)}"},
+            headers={"Authorization": f"Bearer {self._key(tenant or self.tenant or 'admin')}"},
         )
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise _refused(r, "the trace")
+        return dict(r.json())
+
+    def config(self, tenant: str | None = None) -> dict[str, Any]:
+        """`/v1/minigrid/config` as `tenant` (default: this handle's identity): numbers and fixes."""
+        r = self.http.get(
+            "/v1/minigrid/config",
+            headers={"Authorization": f"Bearer {self._key(tenant or self.tenant or 'admin')}"},
+        )
+        if r.status_code != 200:
+            raise _refused(r, "the configuration")
+        return dict(r.json())
+
+    def set_fixes(self, fixes: str | list[str]) -> dict[str, Any]:
+        """Switch the running engine's fixes (admin key): "none", a list of names, or "a,b".
+        The engine refuses what cannot hold for its pools (409) and names the valid fixes (400)."""
+        if not self.admin_key:
+            raise MinigridError("only the admin (instructor) key may switch the fixes")
+        r = self.http.post(
+            "/v1/minigrid/fixes", json={"fixes": fixes}, headers={"Authorization": f"Bearer {self.admin_key}"}
+        )
+        if r.status_code != 200:
+            raise _refused(r, f"switching the fixes to {fixes!r}")
+        if self.cfg is not None:
+            self.cfg = self.cfg.with_(fixes=",".join(r.json()["fixes"]) or "none")
         return dict(r.json())
 
     def metrics(self) -> dict[str, float]:
@@ -243,4 +340,4 @@ def _flags(cfg: ServeConfig) -> list[str]:
     return flags
 
 
-__all__ = ["DEFAULT_TENANTS", "Engine", "EngineNotReady", "Reply", "pages_read"]
+__all__ = ["DEFAULT_TENANTS", "Engine", "EngineNotReady", "EngineRefused", "Reply", "pages_read"]

@@ -12,6 +12,8 @@ The handshake of one request, as in SGLang's disaggregated mode::
     prefill --TransferBegin + page data + TransferDone-->  decode
     decode  --Result----------->  router
     anyone  --Abort------------>  the others             (a request that failed on the way)
+
+Beside requests: `Query` (stats, pool, trace), `SetFixes` (switch the fixes live) and `Shutdown`.
 """
 
 from __future__ import annotations
@@ -126,6 +128,17 @@ class Query:
 class QueryReply:
     qid: int
     data: Any
+
+
+@dataclass(frozen=True)
+class SetFixes:
+    """Router to every worker: run with `fixes` (a `--fixes` spec) from the next step of its loop on.
+
+    Sent by the admin's `POST /v1/minigrid/fixes` (workshop mode switches a room's fixes live); the
+    worker applies it between two batches and answers `QueryReply(qid, {"fixes": ...})`."""
+
+    qid: int
+    fixes: str
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minigrid_engine.config import MODEL_ID, ServeConfig
-from minigrid_engine.errors import MinigridError
-from minigrid_engine.messages import Abort, GenerateRequest, Query, QueryReply, Ready, Result, Shutdown
+from minigrid_engine.errors import ConfigError, MinigridError
+from minigrid_engine.fixes import BUILT, FIXES, Fixes, parse_fixes
+from minigrid_engine.messages import (
+    Abort,
+    GenerateRequest,
+    Query,
+    QueryReply,
+    Ready,
+    Result,
+    SetFixes,
+    Shutdown,
+)
 from minigrid_engine.tokenizer import ByteTokenizer
 
 log = logging.getLogger("minigrid.router")
@@ -182,6 +192,8 @@ class Router:
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         router_addr = "{}:{}".format(*listener.address)
         peer_port, dist_port = free_port(self.cfg.transfer_host), free_port(self.cfg.transfer_host)
+        # The workers' command line is readable by every local user (`ps`): it carries no API key.
+        worker_cfg = self.cfg.with_(tenants={name: "-" for name in self.cfg.tenants}, admin_key=None)
         for role in ROLES:
             cmd = [
                 sys.executable,
@@ -196,7 +208,7 @@ class Router:
                 "--dist-port",
                 str(dist_port),
                 "--config",
-                self.cfg.to_json(),
+                worker_cfg.to_json(),
             ]
             proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
             link = WorkerLink(role, proc)
@@ -343,6 +355,52 @@ class Router:
         finally:
             with self._plock:
                 self._queries.pop(qid, None)
+
+    def fixes_refusal(self, fixes: Fixes) -> str | None:
+        """Why `fixes` cannot be switched on for the running pools, or None when they can."""
+        if not fixes.capacity_check:
+            return None
+        c = self.cfg
+        short = [
+            f"the {role} KV pool holds {tokens} tokens, fewer than the context length of "
+            f"{c.context_length} tokens"
+            for role, tokens in (("prefill", c.prefill_pool_tokens), ("decode", c.decode_pool_tokens))
+            if tokens < c.context_length
+        ]
+        if not short:
+            return None
+        return (
+            "capacity-check cannot be turned on for this running engine: "
+            + "; ".join(short)
+            + " (it is a deployment check: restart with a larger pool, e.g. --preset corrected). "
+            "Every other fix can be switched live."
+        )
+
+    def set_fixes(self, fixes: Fixes, timeout_s: float = 10) -> dict[str, str]:
+        """Switch every worker to `fixes` (blocking; call from a thread). Each worker applies it
+        between two steps of its loop and confirms; returns {worker: fixes it confirmed}."""
+        waits: list[tuple[str, int, threading.Event, list[Any]]] = []
+        try:
+            for name, link in self.workers.items():  # every worker link, however many per role
+                qid = next(self._qids)
+                event: threading.Event = threading.Event()
+                box: list[Any] = []
+                with self._plock:
+                    self._queries[qid] = (event, box)
+                waits.append((name, qid, event, box))
+                link.send(SetFixes(qid, str(fixes)))
+            self.cfg = self.cfg.with_(fixes=fixes)  # what /v1/minigrid/config and /metrics show
+            deadline = time.monotonic() + timeout_s
+            confirmed: dict[str, str] = {}
+            for name, _, event, box in waits:
+                if not event.wait(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"the {name} worker did not confirm the fixes in {timeout_s:g} s")
+                confirmed[name] = box[0]["fixes"]
+            return confirmed
+        finally:
+            with self._plock:
+                for _, qid, _, _ in waits:
+                    self._queries.pop(qid, None)
 
     def health(self) -> dict[str, Any]:
         workers = {
@@ -653,11 +711,55 @@ class Router:
                     "prefill_pool_tokens": c.prefill_pool_tokens,
                     "decode_pool_tokens": c.decode_pool_tokens,
                     "fixes": c.fixes.names(),
+                    "you": tenant,  # "admin" for the admin key, else the key's tenant
                     # a tenant learns its own name only, never who else the engine serves
                     "tenants": sorted(c.tenants) if tenant == "admin" else [tenant],
                     "startup_log": router.startup_log,
                 }
             )
+
+        @app.post("/v1/minigrid/fixes")
+        async def switch_fixes(request: Request) -> Response:
+            """Admin only: switch the fixes of the running engine, e.g. {"fixes": "none"},
+            {"fixes": "reject-before-transfer,owner-check"} or {"fixes": ["owner-check"]}."""
+            tenant = router.tenant_of(request.headers.get("authorization"))
+            if tenant is None:
+                return unauthorized()
+            if tenant != "admin":
+                return api_error(
+                    403, "only the admin key may switch the fixes", "invalid_request_error", "forbidden"
+                )
+            valid = f"none, all, or a list of {', '.join(n for n in FIXES if n in BUILT)}"
+            try:
+                raw = await read_body(request, 64 * 1024)
+                try:
+                    body = json.loads(raw)
+                except (ValueError, RecursionError):
+                    raise BadRequest("the request body is not valid JSON", "invalid_json") from None
+                spec = body.get("fixes") if isinstance(body, dict) else None
+                if isinstance(spec, list) and spec and all(isinstance(n, str) for n in spec):
+                    spec = ",".join(spec)
+                if not isinstance(spec, str):
+                    raise BadRequest(
+                        f'send {{"fixes": ...}} with {valid}; got {_shown(body)}', "invalid_value", "fixes"
+                    )
+                try:
+                    fixes = parse_fixes(spec)
+                except ConfigError as exc:
+                    raise BadRequest(f"{exc} (valid: {valid})", "invalid_value", "fixes") from None
+            except BadRequest as exc:
+                return api_error(exc.status, exc.message, "invalid_request_error", exc.code, exc.param)
+            refusal = router.fixes_refusal(fixes)
+            if refusal is not None:
+                return api_error(409, refusal, "invalid_request_error", "fix_not_applicable", "fixes")
+            before = str(router.cfg.fixes)
+            try:
+                confirmed = await asyncio.to_thread(router.set_fixes, fixes)
+            except (ConnectionError, OSError, TimeoutError) as exc:
+                return api_error(503, str(exc), "server_error", "worker_unavailable")
+            log.warning("fixes switched from %s to %s by the admin key", before, fixes)
+            print(f"minigrid: fixes switched from {before} to {fixes}", file=sys.stderr, flush=True)
+            return JSONResponse({"fixes": fixes.names(), "previous": before, "workers": confirmed})
 
         @app.get("/v1/minigrid/pools")
         async def pools(request: Request) -> Response:
@@ -743,6 +845,13 @@ class _PoolCollector:
         ctx = GaugeMetricFamily("minigrid_context_length_tokens", "Advertised context length in tokens")
         ctx.add_metric([], r.cfg.context_length)
         yield ctx
+        on = GaugeMetricFamily(
+            "minigrid_fix_enabled", "1 when the fix is on (switchable live)", labels=["fix"]
+        )
+        names = r.cfg.fixes.names()
+        for fix in FIXES:
+            on.add_metric([fix], 1.0 if fix in names else 0.0)
+        yield on
         page = GaugeMetricFamily("minigrid_kv_page_size_tokens", "Tokens per KV page")
         page.add_metric([], r.cfg.page_size)
         yield page

@@ -14,7 +14,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -42,7 +42,18 @@ class _Server(uvicorn.Server):
                 signal.signal(s, handler)
 
 
-def serve(cfg: ServeConfig, ready_file: Path | None = None) -> int:
+def _tenants_line(tenants: dict[str, str]) -> str:
+    names = sorted(tenants)
+    return ", ".join(names) if len(names) <= 6 else f"{len(names)} ({names[0]} .. {names[-1]})"
+
+
+def serve(
+    cfg: ServeConfig,
+    ready_file: Path | None = None,
+    on_listening: Callable[[str], list[str]] | None = None,
+) -> int:
+    """Serve until stopped. `on_listening(url)` runs once the socket is bound, before the first
+    request is served (workshop mode writes its keys file there); it returns lines to log."""
     router = Router(cfg)
     router.start_workers()
     for line in router.startup_log:
@@ -59,9 +70,18 @@ def serve(cfg: ServeConfig, ready_file: Path | None = None) -> int:
     server = _Server(uvicorn.Config(router.app(), log_level="warning", lifespan="off", access_log=False))
     print(
         f"minigrid: context length {cfg.context_length} tokens, fixes: {cfg.fixes}, "
-        f"tenants: {', '.join(sorted(cfg.tenants))}",
+        f"tenants: {_tenants_line(cfg.tenants)}",
         file=sys.stderr,
     )
+    if on_listening is not None:
+        try:
+            lines = on_listening(url)
+        except BaseException:
+            sock.close()
+            router.stop_workers()
+            raise
+        for line in lines:
+            print(f"minigrid: {line}", file=sys.stderr, flush=True)
     print(f"minigrid: serving on {url}", file=sys.stderr, flush=True)
     if ready_file is not None:
         ready_file.write_text(url + "\n")

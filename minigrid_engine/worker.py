@@ -26,6 +26,7 @@ import torch
 from minigrid_engine.config import ServeConfig
 from minigrid_engine.decode import DecodeScheduler
 from minigrid_engine.errors import PoolError
+from minigrid_engine.fixes import parse_fixes
 from minigrid_engine.messages import (
     Abort,
     AbortAck,
@@ -35,6 +36,7 @@ from minigrid_engine.messages import (
     Query,
     QueryReply,
     Ready,
+    SetFixes,
     Shutdown,
     TransferBegin,
     TransferDone,
@@ -160,6 +162,8 @@ class Worker:
             s.on_abort(msg)
         elif isinstance(msg, Query):
             self.router.send(QueryReply(msg.qid, self.query(msg)))
+        elif isinstance(msg, SetFixes):
+            self.set_fixes(msg)
         elif isinstance(msg, Shutdown):
             self.stopping = True
         elif isinstance(msg, KVBootstrap) and isinstance(s, PrefillScheduler):
@@ -185,6 +189,20 @@ class Worker:
             s.on_abort_ack(msg)
         else:
             log.warning("%s worker: unexpected message %r", self.role, msg)
+
+    def set_fixes(self, msg: SetFixes) -> None:
+        """Switch the fixes live. Called from the loop between two steps, so no batch runs with a
+        mix; a request already in flight meets the new fixes at its next step on each role. The
+        router has already refused what cannot hold here (capacity-check on a too-small pool)."""
+        fixes = parse_fixes(msg.fixes)
+        self.cfg = self.cfg.with_(fixes=fixes)
+        self.pool.scrub_on_free = fixes.scrub_on_free
+        s = self.scheduler
+        s.cfg, s.fixes = self.cfg, fixes
+        if isinstance(s, DecodeScheduler):
+            s.runner.owner_check = fixes.owner_check
+        log.info("%s worker: fixes now %s", self.role, fixes)
+        self.router.send(QueryReply(msg.qid, {"role": self.role, "fixes": str(fixes)}))
 
     def query(self, q: Query) -> Any:
         if q.kind == "stats":

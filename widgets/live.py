@@ -75,6 +75,28 @@ class _LiveFigure:
     def static(self) -> go.Figure:
         return self.figure()
 
+    def watch(self, interval_s: float = 1.0) -> go.FigureWidget:
+        """Redraw the live widget every `interval_s` in the background until `unwatch()` (a room's
+        pool changes with every student's request, not with an action of this notebook)."""
+        widget = self.live()
+        self.unwatch()
+        stop = self._stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(interval_s):
+                try:
+                    self.refresh()
+                except Exception:  # the engine went away: stop quietly, the widget keeps its picture
+                    return
+
+        threading.Thread(target=loop, name="live-view", daemon=True).start()
+        return widget
+
+    def unwatch(self) -> None:
+        stop: threading.Event | None = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+
     def follow(self, action: Callable[..., T], *args: Any, interval_s: float = 0.25, **kwargs: Any) -> T:
         """Run `action(*args, **kwargs)` in a thread, redrawing until it returns; return its value."""
         box: dict[str, Any] = {}

@@ -1,0 +1,196 @@
+"""Workshop mode: one engine for a room, a key per student, the instructor's live fixes switch.
+
+One `minigrid serve --workshop 3` serves the whole module (about 30 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from minigrid_engine.cli import main
+from minigrid_engine.errors import MinigridError
+from minigrid_engine.handle import Engine, EngineRefused
+from minigrid_engine.router import free_port
+from minigrid_engine.workshop import (
+    ROOM_FIXES,
+    Room,
+    load_keys,
+    oversized_prompt,
+    secret_codes,
+    secret_prompt,
+    whose_secrets,
+)
+
+
+class Workshop:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, keys: Path, log: Path) -> None:
+        self.proc, self.url, self.keys, self.log = proc, url, keys, log
+        self.room: Room = load_keys(keys.with_suffix(".json"))
+
+    def key(self, who: str) -> dict[str, str]:
+        k = self.room.instructor_key if who == "instructor" else self.room.students[who]
+        return {"Authorization": f"Bearer {k}"}
+
+
+@pytest.fixture(scope="module")
+def room(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workshop]:
+    d = tmp_path_factory.mktemp("workshop")
+    keys, ready, log = d / "keys.csv", d / "ready", d / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "minigrid_engine.cli", "serve", "--workshop", "3"),
+                *("--keys-file", str(keys), "--port", "0", "--ready-file", str(ready)),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={k: v for k, v in os.environ.items() if k != "MINIGRID_ADMIN_KEY"},
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not (ready.exists() and ready.read_text().strip()):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield Workshop(proc, ready.read_text().strip(), keys, log)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_keys_file_is_private_complete_and_never_logged(room: Workshop) -> None:
+    for p in (room.keys, room.keys.with_suffix(".json")):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+    rows = list(csv.DictReader(room.keys.read_text().splitlines()))
+    assert [r["name"] for r in rows] == ["instructor", "student01", "student02", "student03"]
+    assert all(r["url"] == room.url for r in rows)
+    keys = [r["key"] for r in rows]
+    assert len(set(keys)) == 4 and all(k.startswith("sk-") and len(k) > 20 for k in keys)
+    assert room.room.students == {r["name"]: r["key"] for r in rows if r["role"] == "student"}
+    log = room.log.read_text()
+    assert str(room.keys) in log and room.url in log
+    assert not any(k in log for k in keys), "a key was printed in the startup log"
+    # the workers' command lines (readable by every local user) carry no key either
+    for child in psutil.Process(room.proc.pid).children(recursive=True):
+        assert not any(k in " ".join(child.cmdline()) for k in keys)
+
+
+def test_students_see_their_own_trace_and_config_only(room: Workshop) -> None:
+    s1 = Engine.connect(room.url, room.room.students["student01"])
+    s2 = Engine.connect(room.url, room.room.students["student02"])
+    assert (s1.tenant, s2.tenant) == ("student01", "student02")
+    assert s1.complete("student01", secret_prompt("student01", 200, 1), max_tokens=4).ok
+    mine, theirs = s1.trace(), s2.trace()
+    assert any(e["tenant"] == "student01" for evs in mine.values() for e in evs)
+    assert all(e["tenant"] == "student01" for evs in mine.values() for e in evs)
+    assert all(e["tenant"] == "student02" for evs in theirs.values() for e in evs)
+    assert "student02" not in json.dumps(mine) and "student01" not in json.dumps(theirs)
+    assert s1.config()["tenants"] == ["student01"]
+    with pytest.raises(MinigridError, match="admin"):
+        s1.pools()
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/v1/minigrid/pools"), ("GET", "/v1/minigrid/integrity"), ("POST", "/v1/minigrid/fixes")],
+)
+def test_admin_endpoints_refuse_students(room: Workshop, method: str, path: str) -> None:
+    body = {"fixes": "none"} if method == "POST" else None
+    r = httpx.request(method, room.url + path, headers=room.key("student03"), json=body)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+    r = httpx.request(method, room.url + path, headers={"Authorization": "Bearer sk-guess"}, json=body)
+    assert r.status_code == 401
+    r = httpx.request(method, room.url + path, headers=room.key("instructor"), json=body)
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        ({"fixes": "owner-chek"}, 400, "owner-check"),  # names the valid ones
+        ({"fixes": ["reject-before-transfer", "nope"]}, 400, "'nope'"),
+        ({"fixes": 3}, 400, "reject-before-transfer"),
+        ([1, 2], 400, "none, all"),
+        ({"fixes": "capacity-check"}, 409, "665 tokens, fewer than the context length of 1024"),
+        ({"fixes": "all"}, 409, "665 tokens"),
+    ],
+)
+def test_bad_fixes_are_refused_by_name(room: Workshop, body: object, status: int, says: str) -> None:
+    r = httpx.post(room.url + "/v1/minigrid/fixes", headers=room.key("instructor"), json=body)
+    assert r.status_code == status and says in r.json()["error"]["message"], r.text
+    assert httpx.get(room.url + "/v1/minigrid/config", headers=room.key("instructor")).json()["fixes"] == []
+    bad = httpx.post(room.url + "/v1/minigrid/fixes", headers=room.key("instructor"), content=b"{")
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+
+
+def test_the_live_switch_changes_the_outcome_of_the_same_prompt(room: Workshop) -> None:
+    victim = Engine.connect(room.url, room.room.students["student01"])
+    bob = Engine.connect(room.url, room.room.students["student02"])
+    teacher = Engine.connect(room.url, room.room.instructor_key)
+    assert teacher.tenant == "admin"
+    secrets = [secret_prompt("student01", 560, 100 + i) for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:  # together, so that their pages fill the decode pool
+        assert all(r.ok for r in pool.map(lambda p: victim.complete("student01", p, max_tokens=24), secrets))
+    prompt = oversized_prompt("student02", seed=7)
+    before = bob.complete("student02", prompt, max_tokens=48)
+    assert before.status == 200 and before.prompt_tokens == 976
+    stolen = whose_secrets(before.text, "student02").get("student01", set())
+    assert stolen & set().union(*map(secret_codes, secrets)), f"no secret of student01 in {before.text!r}"
+
+    switched = teacher.set_fixes(ROOM_FIXES)
+    assert switched["previous"] == "none" and set(switched["workers"]) >= {"prefill", "decode"}
+    assert teacher.config()["fixes"] == ROOM_FIXES.split(",")
+    assert teacher.metrics()['minigrid_fix_enabled{fix="reject-before-transfer"}'] == 1.0
+    after = bob.complete("student02", prompt, max_tokens=48)
+    assert after.status == 400 and after.error is not None
+    assert after.error["code"] == "context_length_exceeded" and not whose_secrets(after.text, "student02")
+
+    teacher.set_fixes("none")  # and back: the room is the faulty engine again
+    assert teacher.metrics()['minigrid_fix_enabled{fix="reject-before-transfer"}'] == 0.0
+    assert bob.complete("student02", prompt, max_tokens=48).status == 200
+    with pytest.raises(EngineRefused, match="401"):  # a made-up admin key is no admin key
+        Engine.connect(room.url, room.room.students["student02"], admin_key="sk-nope").set_fixes("all")
+
+
+def test_connect_errors_name_the_problem(room: Workshop, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(MinigridError, match="refused this API key"):
+        Engine.connect(room.url, "sk-wrong")
+    with pytest.raises(MinigridError, match="cannot reach the engine"):
+        Engine.connect(f"http://127.0.0.1:{free_port()}", "sk-x", timeout_s=2)
+    monkeypatch.delenv("MINIGRID_URL", raising=False)
+    with pytest.raises(MinigridError, match="MINIGRID_URL"):
+        Engine.connect(api_key="sk-x")
+    monkeypatch.setenv("MINIGRID_URL", room.url)
+    monkeypatch.setenv("MINIGRID_API_KEY", room.room.students["student03"])
+    assert Engine.connect().tenant == "student03"
+
+
+def test_cli_refuses_bad_workshops_before_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    taken = tmp_path / "keys.csv"
+    taken.write_text("handed out yesterday\n")
+    cases = [
+        (["--workshop", "0"], "from 1 to 200"),
+        (["--workshop", "201"], "from 1 to 200"),
+        (["--workshop", "3", "--keys-file", str(taken)], f"{taken} already exists"),
+        (["--keys-file", str(tmp_path / "k.csv")], "go with --workshop N"),
+        (["--workshop", "3", "--tenants", "a:sk-a"], "drop --tenants"),
+    ]
+    for flags, says in cases:
+        assert main(["serve", *flags]) == 2, flags
+        assert says in capsys.readouterr().err, flags
+    assert taken.read_text() == "handed out yesterday\n"
