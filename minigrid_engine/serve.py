@@ -42,8 +42,8 @@ class _Server(uvicorn.Server):
                 signal.signal(s, handler)
 
 
-def serve(cfg: ServeConfig, ready_file: Path | None = None) -> int:
-    router = Router(cfg)
+def serve(cfg: ServeConfig, ready_file: Path | None = None, authkey: bytes | None = None) -> int:
+    router = Router(cfg, authkey)
     router.start_workers()
     for line in router.startup_log:
         print(f"minigrid: {line}", file=sys.stderr, flush=True)
