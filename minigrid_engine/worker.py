@@ -309,9 +309,14 @@ class Worker:
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    who = "router" if conn is self.router.conn else f"{peer_of[conn]} peer"
-                    log.error("%s: the %s connection closed; exiting", self.worker_id, who)
-                    return
+                    if conn is self.router.conn or len(conns) == 2:  # the router, or the last peer
+                        who = "router" if conn is self.router.conn else f"{peer_of[conn]} peer"
+                        log.error("%s: the %s connection closed; exiting", self.worker_id, who)
+                        return
+                    # one peer of several is gone: its rooms fail through the router; serve the rest
+                    log.error("%s: the %s peer connection closed", self.worker_id, peer_of[conn])
+                    conns.remove(conn)
+                    continue
                 self._guarded(self.handle, msg, peer_of.get(conn))
             busy = bool(self._guarded(self._step))
 
