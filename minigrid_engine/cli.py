@@ -61,6 +61,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def workers_per_role(text: str) -> int:
+    value = positive_int(text)
+    if value > 8:
+        raise argparse.ArgumentTypeError(f"{value} workers: at most 8 per role")
+    return value
+
+
 def _pool_config(args: argparse.Namespace, default_tokens: int):  # -> PoolConfig
     from minigrid_engine.model import ModelConfig
     from minigrid_engine.pool import PoolConfig
@@ -138,6 +145,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "max_batch",
         "admin_key",
         "release_timeout_s",
+        "prefill_workers",
+        "decode_workers",
+        "transfer_host",
+        "worker_listen",
     ):
         if getattr(args, flag) is not None:
             changes[flag] = getattr(args, flag)
@@ -149,6 +160,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     changes["fixes"] = parse_fixes(args.fixes if args.fixes is not None else default_fixes)
     if args.tenants is not None:
         changes["tenants"] = parse_tenants(args.tenants)
+    authkey = None
+    if args.remote:
+        changes["remote"] = tuple(args.remote)
+        if args.authkey_file is None:
+            raise MinigridError(
+                f"--remote {' '.join(args.remote)}: give --authkey-file FILE (64 hex digits, e.g. from "
+                "`openssl rand -hex 32`), the key the remote worker presents"
+            )
+        if "worker_listen" not in changes:
+            raise MinigridError(
+                f"--remote {' '.join(args.remote)}: give --worker-listen HOST:PORT, an address of this "
+                "host the remote worker can reach"
+            )
+    if args.authkey_file is not None:
+        authkey = _authkey(args.authkey_file)
     if args.inject:
         parse_faults(args.inject)  # refused here, before anything starts, unless allowed
         changes["inject"] = tuple(args.inject)
@@ -158,7 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif args.keys_file is not None or args.overwrite_keys or args.public_url is not None:
         raise MinigridError("--keys-file, --overwrite-keys and --public-url go with --workshop N")
     cfg = base.with_(**changes)
-    return serve(cfg, args.ready_file, on_listening)
+    return serve(cfg, args.ready_file, on_listening, authkey)
 
 
 def _workshop(args: argparse.Namespace, changes: dict[str, object]):  # -> Callable[[str], list[str]]
@@ -192,6 +218,34 @@ def _workshop(args: argparse.Namespace, changes: dict[str, object]):  # -> Calla
         ]
 
     return written
+
+
+def _authkey(path: Path) -> bytes:
+    from minigrid_engine.errors import ConfigError
+
+    try:
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"--authkey-file {path}: {exc.strerror}") from None
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ConfigError(
+            f"--authkey-file {path}: the file must hold hex digits (openssl rand -hex 32)"
+        ) from None
+    if len(key) < 16:
+        raise ConfigError(
+            f"--authkey-file {path}: the key is {len(key)} bytes; use at least 16 (openssl rand -hex 32)"
+        )
+    return key
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from minigrid_engine.worker import remote_main
+
+    return remote_main(
+        args.role, args.router, _authkey(args.authkey_file), args.dist_addr, args.index, args.connect_timeout
+    )
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -345,7 +399,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--public-url", help="the URL students dial, written to the keys file (default: the one served)"
     )
+    s.add_argument("--prefill-workers", type=workers_per_role, help="prefill worker processes, 1 to 8 (1)")
+    s.add_argument("--decode-workers", type=workers_per_role, help="decode worker processes, 1 to 8 (1)")
+    s.add_argument(
+        "--remote",
+        action="append",
+        choices=["decode"],
+        help="this role's workers run on another host and join with `minigrid worker`",
+    )
+    s.add_argument(
+        "--transfer-host", help="this host's address for the KV transfer (prefill's listeners), 127.0.0.1"
+    )
+    s.add_argument("--worker-listen", help="HOST:PORT where the router waits for its workers")
+    s.add_argument("--authkey-file", type=Path, help="the key workers present (64 hex digits), for --remote")
     s.set_defaults(func=cmd_serve)
+
+    w = sub.add_parser("worker", help="run a worker on this host for a router on another (serve --remote)")
+    w.add_argument("--role", choices=["decode"], required=True)
+    w.add_argument("--router", required=True, help="HOST:PORT the router gave as --worker-listen")
+    w.add_argument("--authkey-file", type=Path, required=True, help="the router's key (64 hex digits)")
+    w.add_argument("--dist-addr", help="this host's address for the KV transfer (gloo binds there)")
+    w.add_argument("--index", type=int, help="which slot of the role (default: the first free one)")
+    w.add_argument(
+        "--connect-timeout", type=float, default=60.0, help="seconds to keep trying the router (60)"
+    )
+    w.set_defaults(func=cmd_worker)
 
     au = sub.add_parser(
         "audit", help="check from a running engine's /metrics that its pools cover the context"

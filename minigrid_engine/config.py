@@ -23,6 +23,8 @@ CORRECTED_POOL = 2048
 DEFAULT_DECODE_POOL = 4096
 DEFAULT_TENANTS = {"alice": "sk-alice", "bob": "sk-bob"}
 MODEL_ID = "minigrid-byte"
+MAX_WORKERS_PER_ROLE = 8
+ROLES = ("prefill", "decode")
 
 
 def _whole(name: str, value: object, minimum: int = 1) -> int:
@@ -68,6 +70,10 @@ class ServeConfig:
     device: str = "cpu"
     attention: str = "torch"
     transfer_host: str = "127.0.0.1"  # where prefill listens for decode (bootstrap + gloo store)
+    prefill_workers: int = 1  # worker processes per role; the router pairs one of each per request
+    decode_workers: int = 1
+    remote: tuple[str, ...] = ()  # roles whose workers run on another host (`minigrid worker`)
+    worker_listen: str = "127.0.0.1:0"  # where the router listens for its workers (HOST:PORT)
     max_batch: int = 32
     worker_threads: int = 1  # torch threads per worker process
     trace_maxlen: int = 50_000
@@ -89,6 +95,18 @@ class ServeConfig:
                 raise ConfigError(
                     f"--{role}-pool-tokens {tokens} is smaller than one page of {self.page_size} tokens"
                 )
+        for role, n in (("prefill", self.prefill_workers), ("decode", self.decode_workers)):
+            _whole(f"--{role}-workers", n)
+            if n > MAX_WORKERS_PER_ROLE:
+                raise ConfigError(f"--{role}-workers {n}: at most {MAX_WORKERS_PER_ROLE} workers per role")
+        for role in self.remote:
+            if role not in ROLES:
+                raise ConfigError(f"--remote {role!r}: choose prefill or decode")
+        if len(set(self.remote)) == len(ROLES):
+            raise ConfigError("--remote names both roles: the router's host runs at least one of them")
+        host, sep, port = self.worker_listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"--worker-listen {self.worker_listen!r} must be HOST:PORT, e.g. 10.0.0.1:7100")
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device {self.device!r}: choose cpu or cuda")
         if self.attention not in ("torch", "triton"):
@@ -107,6 +125,18 @@ class ServeConfig:
             raise ConfigError(
                 f"--release-timeout {self.release_timeout_s} must be between 0 and 3600 seconds"
             )
+
+    def workers(self, role: str) -> int:
+        """How many worker processes `role` has."""
+        return self.prefill_workers if role == "prefill" else self.decode_workers
+
+    def rank(self, role: str, index: int) -> int:
+        """The torch.distributed rank of worker `index` of `role`: prefill first, then decode."""
+        return index if role == "prefill" else self.prefill_workers + index
+
+    @property
+    def world_size(self) -> int:
+        return self.prefill_workers + self.decode_workers
 
     @property
     def pages_per_context(self) -> int:
@@ -127,6 +157,7 @@ class ServeConfig:
         d = json.loads(text)
         d["fixes"] = parse_fixes(d["fixes"])
         d["inject"] = tuple(d.get("inject", ()))
+        d["remote"] = tuple(d.get("remote", ()))
         return cls(**d)
 
 

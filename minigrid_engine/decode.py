@@ -101,8 +101,9 @@ class DecodeScheduler:
         req.advance(State.PREALLOC, self.trace, role="decode")
         self.prealloc.append(req)
 
-    def on_transfer_begin(self, msg: TransferBegin, data: torch.Tensor) -> None:
-        """Page data arrived for `msg.room`: write it where the message says."""
+    def on_transfer_begin(self, msg: TransferBegin, data: torch.Tensor, peer: str | None = None) -> None:
+        """Page data arrived for `msg.room` (from `peer`, WORKER@ADDRESS): write it where the
+        message says."""
         if self.fixes.deferred_release and msg.room not in self.transfer and msg.room not in self.quarantine:
             # Fix `deferred-release`: data for a room that holds no pages here is dropped.
             log.warning("decode: dropped late page data for room %d (no pages held)", msg.room)
@@ -112,7 +113,10 @@ class DecodeScheduler:
         writer, tenant = self.rooms.get(msg.room, (f"room-{msg.room}", "?"))
         owners = [self.pool.pages[p].owner for p in msg.dst_pages]
         self.pool.note_write(writer, tenant, msg.dst_pages)
-        self.trace.emit(WRITE, writer, tenant, msg.dst_pages, source="transfer", room=msg.room, owners=owners)
+        where = {} if peer is None else {"peer": peer}
+        self.trace.emit(
+            WRITE, writer, tenant, msg.dst_pages, source="transfer", room=msg.room, owners=owners, **where
+        )
 
     def on_transfer_done(self, msg: TransferDone) -> None:
         req = self.transfer.pop(msg.room, None)

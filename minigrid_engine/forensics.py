@@ -22,27 +22,33 @@ def reads_by_request(events: list[Event]) -> dict[str, list[dict[str, Any]]]:
     page the writer's only when it is the page's first slot (offset 0): the request then reads
     only its own tokens from it. A decode write further into a page does not: the slots before
     it still hold whoever wrote them, as in the incident's last page (bob's token at offset 104
-    after 104 slots of alice's K/V)."""
-    writer: dict[int, tuple[str | None, str | None]] = {}
+    after 104 slots of alice's K/V).
+
+    With several decode workers each has its own pool: a page is (worker, page), and each row
+    names the worker it was read on (events without a worker count as one pool)."""
+    writer: dict[tuple[str | None, int], tuple[str | None, str | None]] = {}
     out: dict[str, list[dict[str, Any]]] = {}
-    seen: dict[str, set[int]] = {}
+    seen: dict[str, set[tuple[str | None, int]]] = {}
     for e in events:
-        kind, req = e["kind"], e.get("request")
+        kind, req, worker = e["kind"], e.get("request"), e.get("worker")
         if kind == "write":
             offset = e.get("detail", {}).get("offset")
             if offset is None or offset == 0:
                 for p in e["pages"]:
-                    writer[p] = (req, e.get("tenant"))
+                    writer[worker, p] = (req, e.get("tenant"))
         elif kind == "scrub":  # zeroed: written by nobody
             for p in e["pages"]:
-                writer[p] = (None, None)
+                writer[worker, p] = (None, None)
         elif kind == "read" and req is not None:
             rows, done = out.setdefault(req, []), seen.setdefault(req, set())
             for i, p in enumerate(e["pages"]):
-                if p not in done:
-                    done.add(p)
-                    who, tenant = writer.get(p, (None, None))
-                    rows.append({"page": p, "block": i, "last_writer": who, "last_writer_tenant": tenant})
+                if (worker, p) not in done:
+                    done.add((worker, p))
+                    who, tenant = writer.get((worker, p), (None, None))
+                    row = {"page": p, "block": i, "last_writer": who, "last_writer_tenant": tenant}
+                    if worker is not None:
+                        row["worker"] = worker
+                    rows.append(row)
     return out
 
 

@@ -311,7 +311,8 @@ class Engine:
         return r.status_code, r.json()
 
     def worker_pids(self) -> dict[str, int]:
-        return {role: w["pid"] for role, w in self.health()[1]["workers"].items()}
+        """Pid of each worker, by role (by worker id, e.g. decode-1, where a role has several)."""
+        return {name: w["pid"] for name, w in self.health()[1]["workers"].items()}
 
     def pages_read_by(self, request_id: str) -> Iterator[dict[str, Any]]:
         """Decode pages the request's attention read, with who last wrote each before it."""
@@ -334,6 +335,8 @@ def _flags(cfg: ServeConfig) -> list[str]:
         "--max-batch": cfg.max_batch,
         "--release-timeout": cfg.release_timeout_s,
     }
+    if (cfg.prefill_workers, cfg.decode_workers) != (1, 1):
+        values |= {"--prefill-workers": cfg.prefill_workers, "--decode-workers": cfg.decode_workers}
     flags = [str(x) for flag, value in values.items() for x in (flag, value)]
     for fault in cfg.inject:
         flags += ["--inject", fault]

@@ -6,7 +6,7 @@ This module imports no torch, so the router stays light.
 
 The handshake of one request, as in SGLang's disaggregated mode::
 
-    router  --GenerateRequest-->  prefill, decode        (same bootstrap room)
+    router  --GenerateRequest-->  prefill, decode        (same bootstrap room, naming the pair)
     prefill --Bootstrapped----->  decode                 (prefill's bootstrap queue admitted it)
     decode  --KVBootstrap------>  prefill                (the decode pages to fill)
     prefill --TransferBegin + page data + TransferDone-->  decode
@@ -14,6 +14,11 @@ The handshake of one request, as in SGLang's disaggregated mode::
     anyone  --Abort------------>  the others             (a request that failed on the way)
 
 Beside requests: `Query` (stats, pool, trace), `SetFixes` (switch the fixes live) and `Shutdown`.
+
+With several workers per role, the router picks one prefill and one decode worker per request
+and names them in the `GenerateRequest` (as SGLang's router carries the prefill's bootstrap host
+beside the room): every later message of the room goes between that pair only. Each decode
+worker keeps one connection to every prefill worker, opened with a `PeerHello`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class GenerateRequest:
     max_tokens: int
     temperature: float = 0.0
     seed: int | None = None
+    prefill: str = "prefill-0"  # the pair the router chose for this room
+    decode: str = "decode-0"
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,38 @@ class Ready:
     page_size: int
     n_pages: int
     log: list[str] = field(default_factory=list)
+    worker: str = ""  # its id, e.g. "decode-1"
+    host: str = ""  # the address its page data comes from or goes to (the transfer's peer address)
+
+
+@dataclass(frozen=True)
+class PeerHello:
+    """A decode worker's first message on its connection to a prefill worker."""
+
+    worker: str
+    rank: int
+    host: str = ""  # the address its page data arrives at
+
+
+@dataclass(frozen=True)
+class Join:
+    """A worker started by hand on another host (`minigrid worker`) asks the router for a slot."""
+
+    role: str
+    index: int | None = None  # None: the first free slot of the role
+    host: str = ""  # the address it sends page data from
+
+
+@dataclass(frozen=True)
+class Assign:
+    """The router's answer to `Join`: the slot, the configuration, where the peers listen."""
+
+    worker: str
+    index: int
+    config: str  # ServeConfig as JSON
+    peer_ports: list[int]
+    dist_port: int
+    error: str | None = None  # set when the router refuses the worker
 
 
 @dataclass(frozen=True)

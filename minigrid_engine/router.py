@@ -1,7 +1,10 @@
 """The router: the HTTP front (OpenAI-style), tenants by API key, `/metrics`, `/health`.
 
-It starts the two worker processes, talks to them over authenticated sockets, and never imports
-torch (it stays small: the whole engine has to fit a 1 GB Binder session).
+It starts the worker processes (one per role by default, `--prefill-workers N --decode-workers M`
+for more; a role named in `--remote` is started by hand on another host and joins), pairs one
+prefill and one decode worker per request (`pairing.py`), talks to them over authenticated
+sockets, and never imports torch (it stays small: the whole engine has to fit a 1 GB Binder
+session).
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minigrid_engine.config import MODEL_ID, ServeConfig
+from minigrid_engine.config import MODEL_ID, ROLES, ServeConfig
 from minigrid_engine.errors import ConfigError, MinigridError
 from minigrid_engine.fixes import BUILT, FIXES, Fixes, parse_fixes
 from minigrid_engine.messages import (
     Abort,
+    Assign,
     GenerateRequest,
+    Join,
     Query,
     QueryReply,
     Ready,
@@ -45,11 +50,12 @@ from minigrid_engine.messages import (
     SetFixes,
     Shutdown,
 )
+from minigrid_engine.pairing import Pairing
 from minigrid_engine.tokenizer import ByteTokenizer
 
 log = logging.getLogger("minigrid.router")
 disable_created_metrics()
-ROLES = ("prefill", "decode")
+REMOTE_WAIT_S = 600  # how long the router waits for a worker started by hand on another host
 MAX_BODY_BYTES = 4 * 2**20
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes (decode adds 1)
 
@@ -141,31 +147,80 @@ async def until_disconnected(request: Request) -> None:
 @dataclass
 class WorkerLink:
     role: str
-    proc: subprocess.Popen[bytes]
+    index: int
+    name: str  # what errors and /health call it: the role when it is the role's only worker
+    proc: subprocess.Popen[bytes] | None  # None: started by hand on another host (--remote)
     conn: Connection | None = None
     ready: Ready | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     dead_reason: str | None = None
+    claimed: bool = False  # a remote worker has joined for this slot
     log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=200))
 
+    @property
+    def worker(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.ready.pid if self.ready is not None else self.proc.pid if self.proc else None
+
     def alive(self) -> bool:
-        return self.dead_reason is None and self.proc.poll() is None and self.conn is not None
+        running = self.proc is None or self.proc.poll() is None
+        return self.dead_reason is None and running and self.conn is not None
 
     def send(self, msg: object) -> None:
         if self.conn is None or not self.alive():
-            raise ConnectionError(f"{self.role} worker is down: {self.dead_reason or 'not connected'}")
+            raise ConnectionError(f"{self.name} worker is down: {self.dead_reason or 'not connected'}")
         with self.lock:
             self.conn.send(msg)
+
+
+def spawn_worker(
+    cfg: ServeConfig,
+    role: str,
+    index: int,
+    router_addr: str,
+    peer_ports: list[int],
+    dist_port: int,
+    env: dict[str, str],
+) -> subprocess.Popen[bytes]:
+    """Start worker `index` of `role` on this host; it connects back to `router_addr`."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "minigrid_engine.worker",
+        "--role",
+        role,
+        "--index",
+        str(index),
+        "--router",
+        router_addr,
+        "--peer-ports",
+        ",".join(map(str, peer_ports)),
+        "--dist-port",
+        str(dist_port),
+        "--config",
+        cfg.to_json(),
+    ]
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 class Router:
     """Owns the workers and the request bookkeeping; `app()` is the FastAPI application."""
 
-    def __init__(self, cfg: ServeConfig) -> None:
+    def __init__(self, cfg: ServeConfig, authkey: bytes | None = None) -> None:
         self.cfg = cfg
+        self.authkey = authkey  # shared with workers on other hosts; None: a fresh one per start
         self.tokenizer = ByteTokenizer()
         self.admin_key = cfg.admin_key or os.environ.get("MINIGRID_ADMIN_KEY")
-        self.workers: dict[str, WorkerLink] = {}
+        self.workers: dict[str, WorkerLink] = {}  # by worker id: prefill-0, decode-1...
+        self.pairing = Pairing({role: cfg.workers(role) for role in ROLES})
         self._rooms = itertools.count(1)
         self._qids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Result]]] = {}
@@ -187,65 +242,90 @@ class Router:
 
     # -- workers -------------------------------------------------------------------------
     def start_workers(self, timeout_s: float = 120) -> None:
-        authkey = secrets.token_bytes(32)
+        authkey = self.authkey or secrets.token_bytes(32)
         env = dict(os.environ, MINIGRID_AUTHKEY=authkey.hex())
-        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        listener = Listener(_host_port(self.cfg.worker_listen), authkey=authkey)
         router_addr = "{}:{}".format(*listener.address)
-        peer_port, dist_port = free_port(self.cfg.transfer_host), free_port(self.cfg.transfer_host)
+        self._peer_ports = [free_port(self.cfg.transfer_host) for _ in range(self.cfg.prefill_workers)]
+        self._dist_port = free_port(self.cfg.transfer_host)
         # The workers' command line is readable by every local user (`ps`): it carries no API key.
-        worker_cfg = self.cfg.with_(tenants={name: "-" for name in self.cfg.tenants}, admin_key=None)
+        self._worker_cfg = self.cfg.with_(tenants={name: "-" for name in self.cfg.tenants}, admin_key=None)
         for role in ROLES:
-            cmd = [
-                sys.executable,
-                "-m",
-                "minigrid_engine.worker",
-                "--role",
-                role,
-                "--router",
-                router_addr,
-                "--peer-port",
-                str(peer_port),
-                "--dist-port",
-                str(dist_port),
-                "--config",
-                worker_cfg.to_json(),
-            ]
-            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            link = WorkerLink(role, proc)
-            self.workers[role] = link
-            threading.Thread(target=self._pump_stderr, args=(link,), daemon=True).start()
+            n = self.cfg.workers(role)
+            for index in range(n):
+                name = role if n == 1 else f"{role}-{index}"
+                proc = None
+                if role not in self.cfg.remote:
+                    proc = spawn_worker(
+                        self._worker_cfg, role, index, router_addr, self._peer_ports, self._dist_port, env
+                    )
+                link = WorkerLink(role, index, name, proc)
+                self.workers[link.worker] = link
+                if proc is not None:
+                    threading.Thread(target=self._pump_stderr, args=(link,), daemon=True).start()
+        if self.cfg.remote:  # what a firewall between the hosts must let through
+            self.startup_log.append(
+                f"KV transfer on {self.cfg.transfer_host}: bootstrap ports "
+                f"{','.join(map(str, self._peer_ports))}, rendezvous port {self._dist_port}"
+            )
+            print(f"minigrid: {self.startup_log[-1]}", file=sys.stderr, flush=True)
+        for role in self.cfg.remote:
+            line = (
+                f"waiting {REMOTE_WAIT_S} s for {self.cfg.workers(role)} {role} worker(s) from another "
+                f"host: there run `minigrid worker --role {role} --router {router_addr} "
+                f"--authkey-file FILE --dist-addr ITS_ADDRESS`"
+            )
+            self.startup_log.append(line)
+            print(f"minigrid: {line}", file=sys.stderr, flush=True)
         accepted: queue.Queue[tuple[Connection, object]] = queue.Queue()
 
-        def accept() -> None:  # a worker connects, then says Ready once its peer and pool are up
-            for _ in ROLES:
+        def hello(conn: Connection) -> None:  # Ready, or (a remote worker) Join first
+            first = _recv(conn)
+            if isinstance(first, Join):
+                assign = self._assign(first)
+                with contextlib.suppress(OSError):
+                    conn.send(assign)
+                if assign.error is not None:
+                    conn.close()
+                    return
+                first = _recv(conn)
+            accepted.put((conn, first))
+
+        def accept() -> None:  # a worker connects, then says Ready once its peers and pool are up
+            while True:
                 try:
                     conn = listener.accept()
-                except OSError:  # closed after a failed start
+                except OSError:  # closed: every worker is in, or the start failed
                     return
-                threading.Thread(target=lambda c=conn: accepted.put((c, _recv(c))), daemon=True).start()
+                threading.Thread(target=hello, args=(conn,), daemon=True).start()
 
         threading.Thread(target=accept, name="accept-workers", daemon=True).start()
-        deadline = time.monotonic() + timeout_s
+        wait_s = max(timeout_s, REMOTE_WAIT_S) if self.cfg.remote else timeout_s
+        deadline = time.monotonic() + wait_s
         try:
             while any(w.ready is None for w in self.workers.values()):
                 for w in self.workers.values():
-                    if w.proc.poll() is not None:
+                    if w.proc is not None and w.proc.poll() is not None:
                         time.sleep(0.2)  # let its last lines arrive
                         raise StartupError(
-                            f"the {w.role} worker exited with status {w.proc.returncode} during startup:\n"
+                            f"the {w.name} worker exited with status {w.proc.returncode} during startup:\n"
                             + "\n".join(w.log_tail)
                         )
                 if time.monotonic() > deadline:
-                    raise StartupError(f"workers not ready after {timeout_s:.0f} s")
+                    missing = ", ".join(w.worker for w in self.workers.values() if w.ready is None)
+                    raise StartupError(f"workers not ready after {wait_s:.0f} s: {missing}")
                 try:
                     conn, ready = accepted.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                if not isinstance(ready, Ready):
+                if not isinstance(ready, Ready) or ready.worker not in self.workers:
                     raise StartupError(f"a worker said {ready!r} instead of Ready")
-                link = self.workers[ready.role]
+                link = self.workers[ready.worker]
                 link.conn, link.ready = conn, ready
-                self.startup_log += ready.log
+                many = self.cfg.workers(link.role) > 1
+                self.startup_log += [f"{link.worker}: {line}" if many else line for line in ready.log]
+                if link.proc is None:
+                    self.startup_log.append(f"{link.worker} joined from another host at {ready.host}")
                 threading.Thread(target=self._reader, args=(link,), daemon=True).start()
         except BaseException:
             self.stop_workers()
@@ -253,8 +333,34 @@ class Router:
         finally:
             listener.close()
 
+    def _assign(self, join: Join) -> Assign:
+        """A slot for a worker that joined from another host, or the reason it gets none."""
+
+        def refuse(why: str) -> Assign:
+            log.warning("refused a %s worker from another host: %s", join.role, why)
+            return Assign("", -1, "", [], 0, error=why)
+
+        if join.role not in self.cfg.remote:
+            return refuse(f"this router runs its {join.role} workers itself (no --remote {join.role})")
+        with self._plock:
+            free = [
+                w
+                for w in self.workers.values()
+                if w.role == join.role and not w.claimed and join.index in (None, w.index)
+            ]
+            if not free:
+                n = self.cfg.workers(join.role)
+                return refuse(
+                    f"no free {join.role} slot"
+                    + (f" {join.index}" if join.index is not None else "")
+                    + f" (the router expects {n} {join.role} worker(s), index 0 to {n - 1})"
+                )
+            link = free[0]
+            link.claimed = True
+        return Assign(link.worker, link.index, self._worker_cfg.to_json(), self._peer_ports, self._dist_port)
+
     def _pump_stderr(self, link: WorkerLink) -> None:
-        assert link.proc.stderr is not None
+        assert link.proc is not None and link.proc.stderr is not None
         for raw in link.proc.stderr:
             line = raw.decode("utf-8", "replace").rstrip()
             link.log_tail.append(line)
@@ -266,10 +372,13 @@ class Router:
             try:
                 msg = link.conn.recv()
             except (EOFError, OSError):
-                code = link.proc.wait(timeout=5) if link.proc.poll() is None else link.proc.returncode
-                link.dead_reason = f"the {link.role} worker died (exit status {code})"
+                if link.proc is None:
+                    link.dead_reason = f"the {link.name} worker died (its connection closed)"
+                else:
+                    code = link.proc.wait(timeout=5) if link.proc.poll() is None else link.proc.returncode
+                    link.dead_reason = f"the {link.name} worker died (exit status {code})"
                 log.error("%s", link.dead_reason)
-                self._fail_all(link.dead_reason)
+                self._fail_rooms(link.worker, link.dead_reason)
                 return
             if isinstance(msg, Result):
                 self._resolve(msg)
@@ -296,6 +405,8 @@ class Router:
     def _resolve(self, result: Result) -> None:
         with self._plock:
             entry = self._pending.pop(result.room, None)
+            if entry is not None:
+                self.pairing.done(result.room)
         if entry is None:
             return
         loop, fut = entry
@@ -306,10 +417,15 @@ class Router:
 
         loop.call_soon_threadsafe(settle)
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_rooms(self, worker: str, reason: str) -> None:
+        """Fail every request paired with `worker` (it died); the other pairs go on serving."""
         with self._plock:
-            rooms = list(self._pending)
-        for room in rooms:
+            rooms = {room: self.pairing.rooms[room] for room in self.pairing.rooms_of(worker)}
+        for room, pair in rooms.items():
+            for partner in pair:  # the survivor of the pair frees what it holds for the room
+                if partner != worker:
+                    with contextlib.suppress(ConnectionError, OSError):
+                        self.workers[partner].send(Abort(room, reason, 503, "worker_unavailable", "router"))
             self._resolve(
                 Result(
                     room,
@@ -326,12 +442,16 @@ class Router:
     def stop_workers(self, grace_s: float = 5) -> None:
         for w in self.workers.values():
             try:
-                if w.conn is not None and w.proc.poll() is None:
+                if w.conn is not None and w.alive():
                     w.send(Shutdown("router stopping"))
             except (OSError, ConnectionError):
                 pass
         deadline = time.monotonic() + grace_s
         for w in self.workers.values():
+            if w.proc is None:  # on another host: Shutdown was its word to stop
+                if w.conn is not None:
+                    w.conn.close()
+                continue
             try:
                 w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -340,17 +460,25 @@ class Router:
             if w.conn is not None:
                 w.conn.close()
 
-    def query(self, role: str, kind: str, timeout_s: float = 5, **args: Any) -> Any:
-        """Ask one worker; blocking (call from a thread)."""
+    def links(self, role: str) -> list[WorkerLink]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def query_role(self, role: str, kind: str, **args: Any) -> list[tuple[WorkerLink, Any]]:
+        """Ask every live worker of `role`; blocking (call from a thread)."""
+        return [(w, self.query(w.worker, kind, **args)) for w in self.links(role) if w.alive()]
+
+    def query(self, worker: str, kind: str, timeout_s: float = 5, **args: Any) -> Any:
+        """Ask one worker (by id, e.g. decode-1; a role names its first worker); blocking."""
+        worker = worker if worker in self.workers else f"{worker}-0"
         qid = next(self._qids)
         event: threading.Event = threading.Event()
         box: list[Any] = []
         with self._plock:
             self._queries[qid] = (event, box)
         try:
-            self.workers[role].send(Query(qid, kind, args))
+            self.workers[worker].send(Query(qid, kind, args))
             if not event.wait(timeout_s):
-                raise TimeoutError(f"{role} worker did not answer a {kind} query in {timeout_s} s")
+                raise TimeoutError(f"{worker} worker did not answer a {kind} query in {timeout_s} s")
             return box[0]
         finally:
             with self._plock:
@@ -381,7 +509,8 @@ class Router:
         between two steps of its loop and confirms; returns {worker: fixes it confirmed}."""
         waits: list[tuple[str, int, threading.Event, list[Any]]] = []
         try:
-            for name, link in self.workers.items():  # every worker link, however many per role
+            for link in self.workers.values():  # every worker link, however many per role
+                name = link.name
                 qid = next(self._qids)
                 event: threading.Event = threading.Event()
                 box: list[Any] = []
@@ -403,12 +532,26 @@ class Router:
                     self._queries.pop(qid, None)
 
     def health(self) -> dict[str, Any]:
+        """ok: every worker up; degraded: some down, but a live pair remains; else unavailable."""
         workers = {
-            role: {"up": w.alive(), "pid": w.proc.pid, "error": w.dead_reason if not w.alive() else None}
-            for role, w in self.workers.items()
+            w.name: {
+                "up": w.alive(),
+                "pid": w.pid,
+                "worker": w.worker,
+                "role": w.role,
+                "host": w.ready.host if w.ready is not None else None,
+                "error": w.dead_reason if not w.alive() else None,
+            }
+            for w in self.workers.values()
         }
-        ok = len(workers) == 2 and all(w["up"] for w in workers.values())
-        return {"status": "ok" if ok else "unavailable", "workers": workers}
+        expected = sum(self.cfg.workers(role) for role in ROLES)
+        if len(workers) == expected and all(w["up"] for w in workers.values()):
+            status = "ok"
+        elif all(any(w.alive() for w in self.links(role)) for role in ROLES):
+            status = "degraded"
+        else:
+            status = "unavailable"
+        return {"status": status, "workers": workers}
 
     # -- requests ------------------------------------------------------------------------
     def tenant_of(self, authorization: str | None) -> str | None:
@@ -526,18 +669,24 @@ class Router:
         room = next(self._rooms)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Result] = loop.create_future()
-        with self._plock:
-            self._pending[room] = (loop, fut)
-        msg = GenerateRequest(room, f"{tenant}-{room}", tenant, ids, max_tokens, temperature, seed)
+        request_id = f"{tenant}-{room}"
         try:
-            for role in ROLES:
-                self.workers[role].send(msg)
+            with self._plock:
+                alive = {w.worker for w in self.workers.values() if w.alive()}
+                pair = self.pairing.pair(room, alive)  # the bootstrap room's prefill and decode
+                self._pending[room] = (loop, fut)
+            msg = GenerateRequest(
+                room, request_id, tenant, ids, max_tokens, temperature, seed, prefill=pair[0], decode=pair[1]
+            )
+            for worker in pair:
+                self.workers[worker].send(msg)
         except (ConnectionError, OSError) as exc:
             with self._plock:
-                self._pending.pop(room, None)
+                if self._pending.pop(room, None) is not None:
+                    self.pairing.done(room)
             return Result(
                 room,
-                msg.request_id,
+                request_id,
                 tenant,
                 503,
                 finish_reason="error",
@@ -549,10 +698,11 @@ class Router:
             return await fut
         except asyncio.CancelledError:  # the client went away: tell the workers
             with self._plock:
-                self._pending.pop(room, None)
-            for role in ROLES:
+                if self._pending.pop(room, None) is not None:
+                    self.pairing.done(room)
+            for worker in pair:
                 with contextlib.suppress(ConnectionError, OSError):
-                    self.workers[role].send(
+                    self.workers[worker].send(
                         Abort(room, "client disconnected", 499, "client_closed", "router")
                     )
             raise
@@ -610,7 +760,7 @@ class Router:
             except BadRequest as exc:
                 router.requests_total.labels("invalid").inc()
                 return api_error(exc.status, exc.message, "invalid_request_error", exc.code, exc.param)
-            if router.health()["status"] != "ok":
+            if router.health()["status"] == "unavailable":
                 router.requests_total.labels("unavailable").inc()
                 return api_error(
                     503,
@@ -768,7 +918,11 @@ class Router:
                 return unauthorized()
             if tenant != "admin":
                 return admin_only("the page pools")
-            snaps = {role: await asyncio.to_thread(router.query, role, "pool") for role in ROLES}
+            # one list per role; each page names its worker (each worker has its own pool)
+            snaps = {
+                role: [p for _, ps in await asyncio.to_thread(router.query_role, role, "pool") for p in ps]
+                for role in ROLES
+            }
             return JSONResponse(snaps)
 
         @app.get("/v1/minigrid/integrity")
@@ -778,11 +932,13 @@ class Router:
                 return unauthorized()
             if tenant != "admin":
                 return admin_only("the pool integrity checks")
-            checks = {role: await asyncio.to_thread(router.query, role, "integrity") for role in ROLES}
+            checks = {role: await asyncio.to_thread(router.integrity, role) for role in ROLES}
             return JSONResponse({"ok": all(c["ok"] for c in checks.values()), **checks})
 
         @app.get("/v1/minigrid/trace")
-        async def trace(request: Request, since: int = 0, role: str | None = None) -> Response:
+        async def trace(
+            request: Request, since: int = 0, role: str | None = None, worker: str | None = None
+        ) -> Response:
             tenant = router.tenant_of(request.headers.get("authorization"))
             if tenant is None:
                 return unauthorized()
@@ -794,10 +950,19 @@ class Router:
                     "invalid_value",
                     "role",
                 )
+            if worker is not None and worker not in router.workers:
+                return api_error(
+                    400,
+                    f"worker {_shown(worker)}: choose one of {', '.join(router.workers)}",
+                    "invalid_request_error",
+                    "invalid_value",
+                    "worker",
+                )
             only = None if tenant == "admin" else tenant
-            # each role numbers its own events: `since` with `role` pages through one of them
+            # each worker numbers its own events: `since` with `worker` (or `role`, when the role
+            # has one worker) pages through one of them; every event names its worker
             events = {
-                r: await asyncio.to_thread(router.query, r, "trace", since=since, tenant=only)
+                r: await asyncio.to_thread(router.trace_of, r, worker, since=since, tenant=only)
                 for r in (ROLES if role is None else (role,))
             }
             if only is not None:
@@ -805,6 +970,32 @@ class Router:
             return JSONResponse(events)
 
         return app
+
+    def integrity(self, role: str) -> dict[str, Any]:
+        """Each worker's pool check: free + owned = total, no page held twice (blocking)."""
+        checks = {}
+        for w in self.links(role):
+            if not w.alive():
+                down = f"the {w.name} worker is down"
+                checks[w.worker] = {"ok": False, "error": down, "pages_in_use": None}
+            else:
+                checks[w.worker] = self.query(w.worker, "integrity")
+        bad = [f"{w}: {c['error']}" for w, c in checks.items() if not c["ok"]]
+        return {
+            "ok": not bad,
+            "error": "; ".join(bad) or None,
+            "pages_in_use": sum(c["pages_in_use"] or 0 for c in checks.values()),
+            "workers": checks,
+        }
+
+    def trace_of(self, role: str, worker: str | None, **args: Any) -> list[dict[str, Any]]:
+        """`role`'s events, worker after worker (each in its own order), or one worker's (blocking)."""
+        return [
+            e
+            for w in self.links(role)
+            if w.alive() and worker in (None, w.worker)
+            for e in self.query(w.worker, "trace", **args)
+        ]
 
 
 class _PoolCollector:
@@ -823,25 +1014,48 @@ class _PoolCollector:
         )
         pages = GaugeMetricFamily("minigrid_kv_pool_pages", "KV pool size in pages", labels=["role"])
         used = GaugeMetricFamily("minigrid_kv_pages_in_use", "KV pages held by requests", labels=["role"])
-        up = GaugeMetricFamily("minigrid_worker_up", "1 when the worker process is alive", labels=["role"])
+        per = ["role", "worker"]
+        up = GaugeMetricFamily("minigrid_worker_up", "1 when the worker process is alive", labels=per)
+        w_cap = GaugeMetricFamily(
+            "minigrid_worker_kv_pool_capacity_tokens", "One worker's KV pool capacity in tokens", labels=per
+        )
+        w_used = GaugeMetricFamily("minigrid_worker_kv_pages_in_use", "KV pages in use", labels=per)
+        w_out = GaugeMetricFamily(
+            "minigrid_worker_requests_outstanding", "Requests paired with the worker", labels=per
+        )
         counters: dict[str, float] = {}
-        for role, w in r.workers.items():
-            up.add_metric([role], 1.0 if w.alive() else 0.0)
-            if w.ready is not None:
-                cap.add_metric([role], w.ready.capacity_tokens)
-                pages.add_metric([role], w.ready.n_pages)
-            if w.alive():
+        for role in ROLES:
+            links = r.links(role)
+            ready = [w.ready for w in links if w.ready is not None]
+            if ready:
+                cap.add_metric([role], min(x.capacity_tokens for x in ready))
+                pages.add_metric([role], min(x.n_pages for x in ready))
+            in_use: float | None = None
+            for w in links:
+                labels = [role, w.worker]
+                up.add_metric(labels, 1.0 if w.alive() else 0.0)
+                w_out.add_metric(labels, r.pairing.outstanding.get(w.worker, 0))
+                if w.ready is not None:
+                    w_cap.add_metric(labels, w.ready.capacity_tokens)
+                if not w.alive():
+                    continue
                 try:
-                    stats = r.query(role, "stats", timeout_s=2)
+                    stats = r.query(w.worker, "stats", timeout_s=2)
                 except (TimeoutError, ConnectionError, OSError):
                     continue
-                used.add_metric([role], stats["pages_in_use"])
+                w_used.add_metric(labels, stats["pages_in_use"])
+                in_use = (in_use or 0) + stats["pages_in_use"]
                 for key, value in stats["counters"].items():
                     counters[key] = counters.get(key, 0) + value
+            if in_use is not None:
+                used.add_metric([role], in_use)
         yield cap
         yield pages
         yield used
         yield up
+        yield w_cap
+        yield w_used
+        yield w_out
         ctx = GaugeMetricFamily("minigrid_context_length_tokens", "Advertised context length in tokens")
         ctx.add_metric([], r.cfg.context_length)
         yield ctx

@@ -186,6 +186,7 @@ class LateTransferReport:
     reply: Reply  # the victim's answer
     foreign_codes: set[str]  # the slow tenant's codes in the victim's answer
     foreign_writes: list[dict[str, Any]]  # late page data written into pages another request held
+    replies: list[Reply] = field(default_factory=list)  # every victim answer (`victims` > 1)
 
     @property
     def leaked(self) -> bool:
@@ -202,20 +203,25 @@ def run_late_transfer(
     slow_len: int | None = None,
     victim_len: int | None = None,
     seed: int = 0,
+    victims: int = 1,
 ) -> LateTransferReport:
     """The engine must run with ``inject=("delay-transfer=D",)`` and a release timeout below D.
 
     1. `slow_tenant`'s transfer is held past decode's release timeout: decode gives up (an error);
-    2. right after, `victim` sends a prompt and decodes for a long time;
+    2. right after, `victim` sends a prompt (`victims` at once: with several decode workers, one
+       per worker) and decodes for a long time;
     3. the late transfer lands in the pages decode gave back, if they were given back.
     """
     rng = random.Random(seed)
     slow_prompt = record_prompt(slow_tenant, slow_len or context_length // 2 + 64, rng, 6)
     vlen = victim_len or context_length // 2
-    victim_prompt = record_prompt(victim, vlen, rng, 6)
+    victim_prompts = [record_prompt(victim, vlen, rng, 6) for _ in range(victims)]
     slow_reply = engine.complete(slow_tenant, slow_prompt, max_tokens=8)
-    reply = engine.complete(victim, victim_prompt, max_tokens=context_length - vlen - 8)
-    foreign = codes_in(reply.text) & record_codes(slow_prompt, slow_tenant) if reply.ok else set()
+    budget = context_length - vlen - 8
+    with ThreadPoolExecutor(victims) as pool:
+        replies = list(pool.map(lambda p: engine.complete(victim, p, max_tokens=budget), victim_prompts))
+    slow_codes = record_codes(slow_prompt, slow_tenant)
+    foreign = {c for r in replies if r.ok for c in codes_in(r.text) & slow_codes}
     writes = [
         e
         for e in engine.trace()["decode"]
@@ -223,7 +229,7 @@ def run_late_transfer(
         and e["tenant"] == slow_tenant
         and any(o is not None and o != e["request"] for o in e["detail"].get("owners", []))
     ]
-    return LateTransferReport(slow_tenant, victim, slow_reply, reply, foreign, writes)
+    return LateTransferReport(slow_tenant, victim, slow_reply, replies[0], foreign, writes, replies)
 
 
 @dataclass

@@ -51,10 +51,11 @@ def serve(
     cfg: ServeConfig,
     ready_file: Path | None = None,
     on_listening: Callable[[str], list[str]] | None = None,
+    authkey: bytes | None = None,
 ) -> int:
     """Serve until stopped. `on_listening(url)` runs once the socket is bound, before the first
     request is served (workshop mode writes its keys file there); it returns lines to log."""
-    router = Router(cfg)
+    router = Router(cfg, authkey)
     router.start_workers()
     for line in router.startup_log:
         print(f"minigrid: {line}", file=sys.stderr, flush=True)

@@ -1,11 +1,15 @@
 """A worker process: one role (prefill or decode), its pool, its scheduler, its connections.
 
-    python -m minigrid_engine.worker --role prefill --router 127.0.0.1:PORT --peer-port P --dist-port D
+    python -m minigrid_engine.worker --role prefill --index 0 --router 127.0.0.1:PORT \
+        --peer-ports P0,P1 --dist-port D --config JSON
 
-Started by `minigrid serve` (never by hand). The control connections are
-`multiprocessing.connection` sockets authenticated with the key in ``MINIGRID_AUTHKEY``; page
-data goes over `torch.distributed`. A worker exits when the router's connection closes, so an
-engine killed hard leaves no orphans.
+Started by `minigrid serve`, or on another host by `minigrid worker` (see `remote_main`), which
+asks the router for its slot and configuration instead. The control connections are
+`multiprocessing.connection` sockets authenticated with the key in ``MINIGRID_AUTHKEY`` (or
+``--authkey-file``); page data goes over `torch.distributed`. Each decode worker holds one
+connection to every prefill worker; every message of a room goes to the worker the router paired
+with this one for it. A worker exits when the router's connection closes, so an engine killed
+hard leaves no orphans.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any
 
@@ -30,9 +35,12 @@ from minigrid_engine.fixes import parse_fixes
 from minigrid_engine.messages import (
     Abort,
     AbortAck,
+    Assign,
     Bootstrapped,
     GenerateRequest,
+    Join,
     KVBootstrap,
+    PeerHello,
     Query,
     QueryReply,
     Ready,
@@ -78,14 +86,64 @@ class LockedConn:
             self.conn.send(msg)
 
 
+class Peers:
+    """This worker's connections to the other role's workers, and which of them each room is
+    paired with (the router names the pair in the room's `GenerateRequest`)."""
+
+    def __init__(self) -> None:
+        self.conns: dict[str, LockedConn] = {}
+        self.ranks: dict[str, int] = {}
+        self.hosts: dict[str, str] = {}
+        self.rooms: dict[int, str] = {}
+
+    def add(self, worker: str, rank: int, conn: Connection, host: str) -> None:
+        self.conns[worker], self.ranks[worker], self.hosts[worker] = LockedConn(conn), rank, host
+
+    def pair(self, room: int, worker: str) -> None:
+        if worker not in self.conns:
+            raise KeyError(f"room {room} is paired with {worker!r}, not a peer of this worker")
+        self.rooms[room] = worker
+        while len(self.rooms) > 10_000:  # who each recent room was paired with, for late messages
+            del self.rooms[next(iter(self.rooms))]
+
+    def of(self, room: int) -> str:
+        worker = self.rooms.get(room)
+        if worker is None:
+            if len(self.conns) == 1:
+                return next(iter(self.conns))
+            raise KeyError(f"room {room} is paired with no peer")
+        return worker
+
+    def conn(self, room: int) -> LockedConn:
+        return self.conns[self.of(room)]
+
+    def send(self, msg: Any) -> None:
+        """Send a room's message to the worker paired with this one for that room."""
+        try:
+            conn = self.conn(msg.room)
+        except KeyError as exc:  # a room this worker never heard of: nobody to tell
+            log.warning("dropped %s: %s", type(msg).__name__, exc)
+            return
+        conn.send(msg)
+
+
 class Worker:
     def __init__(
-        self, role: str, cfg: ServeConfig, router: Connection, peer: Connection, transport: DistTransport
+        self,
+        worker_id: str,
+        role: str,
+        cfg: ServeConfig,
+        router: Connection,
+        peers: Peers,
+        transport: DistTransport,
+        address: str,
     ) -> None:
+        self.worker_id = worker_id
         self.role = role
         self.cfg = cfg
+        self.address = address
         self.router = LockedConn(router)
-        self.peer = LockedConn(peer)
+        self.peers = peers
         self.transport = transport
         model = load_model(cfg.weights, device=cfg.device)
         tokens = cfg.prefill_pool_tokens if role == "prefill" else cfg.decode_pool_tokens
@@ -99,12 +157,12 @@ class Worker:
         )
         self.scheduler: PrefillScheduler | DecodeScheduler
         if role == "prefill":
-            self.scheduler = PrefillScheduler(cfg, model, self.pool, self.router.send, self.peer.send)
+            self.scheduler = PrefillScheduler(cfg, model, self.pool, self.router.send, self.peers.send)
             self.sent: queue.Queue[int] = queue.Queue()
             self.jobs: queue.Queue[TransferJob | None] = queue.Queue()
             threading.Thread(target=self._sender, name="kv-sender", daemon=True).start()
         else:
-            self.scheduler = DecodeScheduler(cfg, model, self.pool, self.router.send, self.peer.send)
+            self.scheduler = DecodeScheduler(cfg, model, self.pool, self.router.send, self.peers.send)
         self.stopping = False
 
     # -- prefill's sender thread: TransferBegin, the page data, TransferDone, in that order --
@@ -130,33 +188,45 @@ class Worker:
             for j in ready:
                 if j.ack_only:  # deferred-release: drop what is held for the room, then acknowledge
                     held = [(due, h) for due, h in held if h.room != j.room]
-                    self.peer.send(AbortAck(j.room))
+                    self.peers.send(AbortAck(j.room))
                 else:
-                    self._send_job(j)
+                    try:
+                        self._send_job(j)
+                    except Exception:  # a peer gone mid-transfer: this room fails, the sender goes on
+                        log.exception("%s: the transfer of room %d failed", self.worker_id, j.room)
 
     def _send_job(self, job: TransferJob) -> None:
+        try:
+            self._transfer(job)
+        finally:
+            self.sent.put(job.room)  # its pages go back to the pool, sent or not
+
+    def _transfer(self, job: TransferJob) -> None:
         assert isinstance(self.scheduler, PrefillScheduler)
         if job.room in self.scheduler.cancelled:
             pass  # decode gave up on it (deferred-release): nothing goes out
         elif time.time() > job.deadline:
             # deferred-release: a transfer that cannot start within the timeout is not started.
-            self.peer.send(TransferDone(job.room, False, error="transfer deadline passed before it started"))
+            self.peers.send(TransferDone(job.room, False, error="transfer deadline passed before it started"))
         else:
             assert job.begin is not None and job.done is not None
             data = page_data(self.pool, job.src_pages)
-            with self.peer.lock:
-                self.peer.conn.send(job.begin)
-                self.transport.send(data)
+            decode = self.peers.of(job.room)
+            peer = self.peers.conns[decode]
+            with peer.lock:
+                peer.conn.send(job.begin)
+                self.transport.send(data, self.peers.ranks[decode])
                 if not job.drop_done:
-                    self.peer.conn.send(job.done)
+                    peer.conn.send(job.done)
                 if job.duplicate_done:
-                    self.peer.conn.send(job.done)
-        self.sent.put(job.room)
+                    peer.conn.send(job.done)
 
     # -- messages ------------------------------------------------------------------------
-    def handle(self, msg: Any, from_peer: bool) -> None:
+    def handle(self, msg: Any, peer: str | None) -> None:
+        """One message, from the router (`peer` None) or from the peer worker named `peer`."""
         s = self.scheduler
         if isinstance(msg, GenerateRequest):
+            self.peers.pair(msg.room, msg.decode if self.role == "prefill" else msg.prefill)
             s.on_generate(msg)
         elif isinstance(msg, Abort):
             s.on_abort(msg)
@@ -182,7 +252,10 @@ class Worker:
                 dtype=self.pool.k.dtype,
                 device=self.pool.k.device,
             )
-            s.on_transfer_begin(msg, self.transport.recv(like))
+            src = peer or self.peers.of(msg.room)  # page data follows on the pair it was announced on
+            s.on_transfer_begin(
+                msg, self.transport.recv(like, self.peers.ranks[src]), peer=f"{src}@{self.peers.hosts[src]}"
+            )
         elif isinstance(msg, TransferDone) and isinstance(s, DecodeScheduler):
             s.on_transfer_done(msg)
         elif isinstance(msg, AbortAck) and isinstance(s, DecodeScheduler):
@@ -207,18 +280,19 @@ class Worker:
     def query(self, q: Query) -> Any:
         if q.kind == "stats":
             return self.stats()
+        me = {"worker": self.worker_id}
         if q.kind == "pool":
-            return self.pool.snapshot()
+            return [{**p, **me} for p in self.pool.snapshot()]
         if q.kind == "integrity":  # between two steps of this loop: the pool is at rest
             try:
                 self.pool.check_integrity()
             except PoolError as exc:
-                return {"ok": False, "error": str(exc), "pages_in_use": self.pool.pages_in_use}
-            return {"ok": True, "error": None, "pages_in_use": self.pool.pages_in_use}
+                return {"ok": False, "error": str(exc), "pages_in_use": self.pool.pages_in_use, **me}
+            return {"ok": True, "error": None, "pages_in_use": self.pool.pages_in_use, **me}
         if q.kind == "trace":
             tenant = q.args.get("tenant")
             events = self.pool.trace.events(since=int(q.args.get("since", 0)))
-            return [e.to_dict() for e in events if tenant is None or e.tenant == tenant]
+            return [{**e.to_dict(), **me} for e in events if tenant is None or e.tenant == tenant]
         return {"error": f"unknown query {q.kind!r}"}
 
     def stats(self) -> dict[str, Any]:
@@ -230,6 +304,7 @@ class Worker:
         )
         return {
             "role": self.role,
+            "worker": self.worker_id,
             "pid": os.getpid(),
             "capacity_tokens": self.pool.capacity_tokens,
             "page_size": self.pool.page_size,
@@ -243,7 +318,8 @@ class Worker:
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> None:
-        conns = [self.router.conn, self.peer.conn]
+        peer_of = {c.conn: w for w, c in self.peers.conns.items()}
+        conns = [self.router.conn, *peer_of]
         busy = False
         while not self.stopping:
             for conn in wait(conns, timeout=0 if busy else 0.02):
@@ -251,10 +327,15 @@ class Worker:
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    who = "router" if conn is self.router.conn else "peer"
-                    log.error("%s worker: the %s connection closed; exiting", self.role, who)
-                    return
-                self._guarded(self.handle, msg, conn is self.peer.conn)
+                    if conn is self.router.conn or len(conns) == 2:  # the router, or the last peer
+                        who = "router" if conn is self.router.conn else f"{peer_of[conn]} peer"
+                        log.error("%s: the %s connection closed; exiting", self.worker_id, who)
+                        return
+                    # one peer of several is gone: its rooms fail through the router; serve the rest
+                    log.error("%s: the %s peer connection closed", self.worker_id, peer_of[conn])
+                    conns.remove(conn)
+                    continue
+                self._guarded(self.handle, msg, peer_of.get(conn))
             busy = bool(self._guarded(self._step))
 
     def _step(self) -> bool:
@@ -286,57 +367,63 @@ class Worker:
         self.transport.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="a minigrid worker process (started by `minigrid serve`)")
-    p.add_argument("--role", choices=["prefill", "decode"], required=True)
-    p.add_argument("--router", required=True, help="HOST:PORT of the router's listener")
-    p.add_argument("--peer-port", type=int, required=True, help="prefill's bootstrap port")
-    p.add_argument("--dist-port", type=int, required=True, help="torch.distributed rendezvous port")
-    p.add_argument("--config", required=True, help="ServeConfig as JSON")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {a.role}: %(message)s", stream=sys.stderr)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the router decides when workers stop
-    authkey = bytes.fromhex(os.environ["MINIGRID_AUTHKEY"])
-    cfg = ServeConfig.from_json(a.config)
-    torch.set_num_threads(max(1, cfg.worker_threads))
+def _refuse_to_start(role: str, cfg: ServeConfig) -> str | None:
+    """Why this worker must not start (one line for the operator), or None."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        print(
-            f"--device cuda: no CUDA device is visible to the {a.role} worker (torch {torch.__version__})",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 3
+        return f"--device cuda: no CUDA device is visible to the {role} worker (torch {torch.__version__})"
     if cfg.fixes.capacity_check:
         # Fix `capacity-check`: the deployment check, made by the role from its own pool.
-        tokens = cfg.prefill_pool_tokens if a.role == "prefill" else cfg.decode_pool_tokens
+        tokens = cfg.prefill_pool_tokens if role == "prefill" else cfg.decode_pool_tokens
         if tokens < cfg.context_length:
-            print(
-                f"capacity-check: the {a.role} KV pool holds {tokens} tokens, fewer than the context "
+            return (
+                f"capacity-check: the {role} KV pool holds {tokens} tokens, fewer than the context "
                 f"length of {cfg.context_length} tokens: a valid prompt would not fit. Raise "
-                f"--{a.role}-pool-tokens to at least {cfg.context_length} (--preset corrected) or lower "
-                f"--context-length; --fixes none runs the faulty configuration on purpose.",
-                file=sys.stderr,
-                flush=True,
+                f"--{role}-pool-tokens to at least {cfg.context_length} (--preset corrected) or lower "
+                f"--context-length; --fixes none runs the faulty configuration on purpose."
             )
-            return 3
-    router = _connect(_addr(a.router), authkey)
-    peer_addr = (cfg.transfer_host, a.peer_port)
-    if a.role == "prefill":
-        with Listener(peer_addr, authkey=authkey) as listener:
-            peer = listener.accept()
+    return None
+
+
+def run_worker(
+    role: str,
+    index: int,
+    cfg: ServeConfig,
+    router: Connection,
+    authkey: bytes,
+    peer_ports: list[int],
+    dist_port: int,
+    address: str | None = None,
+) -> int:
+    """Join the peers and the torch.distributed group, say Ready, serve until told to stop."""
+    worker_id, rank = f"{role}-{index}", cfg.rank(role, index)
+    address = address or cfg.transfer_host  # where this worker's page data leaves or arrives
+    peers = Peers()
+    if role == "prefill":
+        with Listener((cfg.transfer_host, peer_ports[index]), authkey=authkey) as listener:
+            for _ in range(cfg.decode_workers):
+                conn = listener.accept()
+                hello = conn.recv()
+                if not isinstance(hello, PeerHello):
+                    raise RuntimeError(f"{worker_id}: a peer said {hello!r} instead of PeerHello")
+                peers.add(hello.worker, hello.rank, conn, hello.host)
     else:
-        peer = _connect(peer_addr, authkey)
-    transport = DistTransport(a.role, cfg.transfer_host, a.dist_port, cfg.device)
-    worker = Worker(a.role, cfg, router, peer, transport)
+        for i, port in enumerate(peer_ports):
+            conn = _connect((cfg.transfer_host, port), authkey)
+            conn.send(PeerHello(worker_id, rank, address))
+            peers.add(f"prefill-{i}", cfg.rank("prefill", i), conn, cfg.transfer_host)
+    transport = DistTransport(rank, cfg.world_size, cfg.transfer_host, dist_port, cfg.device, bind=address)
+    worker = Worker(worker_id, role, cfg, router, peers, transport, address)
     line = worker.pool.describe()  # the router prints it: the startup line operators read
     router.send(
         Ready(
-            a.role,
+            role,
             os.getpid(),
             worker.pool.capacity_tokens,
             worker.pool.page_size,
             worker.pool.n_pages,
             [line],
+            worker_id,
+            address,
         )
     )
     try:
@@ -344,6 +431,66 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         worker.close()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="a minigrid worker process (started by `minigrid serve`)")
+    p.add_argument("--role", choices=["prefill", "decode"], required=True)
+    p.add_argument("--index", type=int, default=0, help="which worker of its role (0)")
+    p.add_argument("--router", required=True, help="HOST:PORT of the router's listener")
+    p.add_argument("--peer-ports", required=True, help="prefill workers' bootstrap ports, comma-separated")
+    p.add_argument("--dist-port", type=int, required=True, help="torch.distributed rendezvous port")
+    p.add_argument("--config", required=True, help="ServeConfig as JSON")
+    a = p.parse_args(argv)
+    name = f"{a.role}-{a.index}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}: %(message)s", stream=sys.stderr)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the router decides when workers stop
+    authkey = bytes.fromhex(os.environ["MINIGRID_AUTHKEY"])
+    cfg = ServeConfig.from_json(a.config)
+    torch.set_num_threads(max(1, cfg.worker_threads))
+    refusal = _refuse_to_start(a.role, cfg)
+    if refusal is not None:
+        print(refusal, file=sys.stderr, flush=True)
+        return 3
+    router = _connect(_addr(a.router), authkey)
+    ports = [int(x) for x in a.peer_ports.split(",")]
+    return run_worker(a.role, a.index, cfg, router, authkey, ports, a.dist_port)
+
+
+def remote_main(
+    role: str, router_addr: str, authkey: bytes, address: str | None, index: int | None, timeout_s: float
+) -> int:
+    """`minigrid worker`: a worker on another host. It connects to the router (authenticated),
+    asks for a slot of `role`, and gets the slot, the configuration and the peers' ports."""
+    try:
+        router = _connect(_addr(router_addr), authkey, timeout_s)
+    except AuthenticationError:
+        print(
+            f"minigrid worker: the router at {router_addr} refused this worker's key: use the file the "
+            "router was started with (--authkey-file)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
+    router.send(Join(role, index, address or ""))
+    got = router.recv()
+    if not isinstance(got, Assign):
+        raise RuntimeError(f"the router said {got!r} instead of assigning a slot")
+    if got.error is not None:
+        print(f"minigrid worker: the router refused this worker: {got.error}", file=sys.stderr, flush=True)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {got.worker}: %(message)s", stream=sys.stderr, force=True
+    )
+    cfg = ServeConfig.from_json(got.config)
+    torch.set_num_threads(max(1, cfg.worker_threads))
+    refusal = _refuse_to_start(role, cfg)
+    if refusal is not None:
+        print(refusal, file=sys.stderr, flush=True)
+        router.close()
+        return 3
+    log.info("joined the router at %s as %s; page data from %s", router_addr, got.worker, address)
+    return run_worker(role, got.index, cfg, router, authkey, got.peer_ports, got.dist_port, address)
 
 
 if __name__ == "__main__":

@@ -138,9 +138,15 @@ class PoolView(_LiveFigure):
         )
 
     def select(self, pages: list[dict[str, Any]], role: str = "decode") -> None:
-        """Outline the pages one answer read (`pages_read` rows) and colour them by their writer then."""
-        self.read = {role: {p["page"] for p in pages}}
-        self.writers = {role: {p["page"]: p["last_writer_tenant"] for p in pages}}
+        """Outline the pages one answer read (`pages_read` rows) and colour them by their writer then
+        (on the worker each row names, where a role has several)."""
+        read: dict[str, set[int]] = {}
+        writers: dict[str, dict[int, str | None]] = {}
+        for p in pages:
+            key = p.get("worker", role)
+            read.setdefault(key, set()).add(p["page"])
+            writers.setdefault(key, {})[p["page"]] = p["last_writer_tenant"]
+        self.read, self.writers = read, writers
         self.refresh()
 
 

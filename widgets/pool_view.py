@@ -1,4 +1,7 @@
-"""The page-pool view: one cell per page of each role, coloured by the tenant that last wrote it.
+"""The page-pool view: one cell per page of each pool, coloured by the tenant that last wrote it.
+
+One panel per role, or per worker where a role has several (each worker has its own pool; the
+snapshot's pages name their worker).
 
 Reads only what the engine exposes (`Engine.pools()` snapshots, `pages_read` forensics); the
 engine never imports this module.
@@ -45,21 +48,26 @@ def pool_figure(
     fig = go.Figure()
     y0 = 0.0
     annotations = []
-    for role, snap in pools.items():
+    for role, worker, snap in _panels(pools):
+        name = worker or role
+        # `read` / `writers` name a panel by role or by worker id (a role's only worker: either)
+        keys = [name] if worker else [role, *sorted({p["worker"] for p in snap if p.get("worker")})]
+        role_read = next((read[k] for k in keys if k in read), set())
+        role_writers = next((writers[k] for k in keys if k in writers), {})
         rows = (len(snap) + columns - 1) // columns
-        annotations.append(dict(x=-0.6, y=y0 + rows / 2 - 0.5, text=role, showarrow=False, xanchor="right"))
+        annotations.append(dict(x=-0.6, y=y0 + rows / 2 - 0.5, text=name, showarrow=False, xanchor="right"))
         xs, ys, colour, text, line = [], [], [], [], []
         for p in snap:
             x, y = p["page"] % columns, y0 + p["page"] // columns
             xs.append(x)
             ys.append(y)
-            tenant = writers.get(role, {}).get(p["page"], p["last_writer_tenant"])
+            tenant = role_writers.get(p["page"], p["last_writer_tenant"])
             colour.append(colours.get(tenant, NEVER))
-            outlined = p["page"] in read.get(role, set())
+            outlined = p["page"] in role_read
             line.append(3 if outlined else 0.5)
             age = "" if p.get("written_at") is None else f", {max(0.0, now - p['written_at']):.1f} s ago"
             text.append(
-                f"{role} page {p['page']}<br>owner: {p['owner'] or 'free'}<br>"
+                f"{name} page {p['page']}<br>owner: {p['owner'] or 'free'}<br>"
                 f"last writer: {p['last_writer'] or 'never written'}{age}"
                 + ("<br><b>stale: held by one request, written by another</b>" if _stale(p) else "")
                 + ("<br><b>read by the selected answer</b>" if outlined else "")
@@ -69,7 +77,7 @@ def pool_figure(
                 x=xs,
                 y=ys,
                 mode="markers",
-                name=role,
+                name=name,
                 showlegend=False,
                 hovertext=text,
                 hoverinfo="text",
@@ -82,7 +90,7 @@ def pool_figure(
                 x=[s[0] for s in stale],
                 y=[s[1] for s in stale],
                 mode="markers",
-                name=f"{role} stale",
+                name=f"{name} stale",
                 showlegend=False,
                 hoverinfo="skip",
                 marker=dict(symbol="circle", size=6, color="white"),
@@ -110,6 +118,21 @@ def pool_figure(
         margin=dict(l=80, r=20, t=50, b=20),
     )
     return fig
+
+
+def _panels(pools: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str | None, list[dict[str, Any]]]]:
+    """(role, worker or None, pages): one panel per role, or per worker where a role has several.
+    `read` and `writers` are keyed by the panel's name (the role, or the worker id)."""
+    out: list[tuple[str, str | None, list[dict[str, Any]]]] = []
+    for role, snap in pools.items():
+        by_worker: dict[str | None, list[dict[str, Any]]] = {}
+        for p in snap:
+            by_worker.setdefault(p.get("worker"), []).append(p)
+        if len(by_worker) <= 1:
+            out.append((role, None, snap))
+        else:
+            out += [(role, w, pages) for w, pages in by_worker.items()]
+    return out
 
 
 def _stale(page: dict[str, Any]) -> bool:
