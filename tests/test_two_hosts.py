@@ -30,7 +30,7 @@ import json, sys
 from minigrid_engine.handle import Engine
 from minigrid_engine.scenario import run_incident
 url, admin = sys.argv[1], sys.argv[2]
-eng = Engine.connect(url, {"alice": "sk-alice", "bob": "sk-bob"}, admin)
+eng = Engine.connect(url, tenants={"alice": "sk-alice", "bob": "sk-bob"}, admin_key=admin)
 eng.wait_ready(120)
 rep = run_incident(eng, context_length=1024, prefill_pool_tokens=665, attacker_len=1000,
                    max_tokens=24, attempts=4, seed=1)
