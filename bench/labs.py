@@ -69,6 +69,7 @@ class PeakMemory:
 
 def run_lab(notebook: Path, out_dir: Path, **parameters: Any) -> LabRun:
     """Execute one notebook with papermill; its result file (the `result_path` parameter) is read back."""
+    out_dir = out_dir.resolve()  # the notebook runs in labs/: a relative path would land there
     out_dir.mkdir(parents=True, exist_ok=True)
     result_file = out_dir / f"{notebook.stem}.json"
     result_file.unlink(missing_ok=True)

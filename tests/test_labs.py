@@ -171,3 +171,12 @@ def test_13_model_check_finds_the_incident_and_the_fixes_close_it(tmp_path: Path
 def test_13_student_copy_rejects_the_stubs(tmp_path: Path) -> None:
     r = run("13_model_check.ipynb", tmp_path, reveal_solutions=False)
     assert r["verdicts"] == {"fix_prediction": False, "counterexample_bounds": False}
+
+
+def test_labs_check_takes_a_relative_out_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `make labs-check` runs bench/labs.py with --out-dir runs/labs: relative to where it was started,
+    # while each notebook runs with labs/ as its working directory
+    monkeypatch.chdir(tmp_path)
+    lab = run_lab(LABS / "13_model_check.ipynb", Path("runs") / "labs", reveal_solutions=True)
+    assert lab.result["verdicts"] == {"fix_prediction": True, "counterexample_bounds": True}
+    assert (tmp_path / "runs" / "labs" / "13_model_check.ipynb").exists()
