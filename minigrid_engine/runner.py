@@ -189,14 +189,17 @@ class ModelRunner:
     def decode(self, items: list[DecodeItem]) -> torch.Tensor:
         """One decode step for every item, in one batch; returns logits [B, vocab]."""
         p = self.pool.page_size
-        width = max(len(it.pages) for it in items)
         for it in items:
             if it.position >= len(it.pages) * p:
                 raise ValueError(
                     f"request {it.request}: position {it.position} is past its {len(it.pages)} pages"
                 )
+        # Only the pages up to each position are read: pages reserved for tokens not yet decoded
+        # stay out of the block table (gathering them would copy K/V that the mask then drops).
+        reads = [it.pages[: it.position // p + 1] for it in items]
+        width = max(len(r) for r in reads)
         table = torch.tensor(
-            [it.pages + [it.pages[0]] * (width - len(it.pages)) for it in items],
+            [r + [r[0]] * (width - len(r)) for r in reads],
             dtype=torch.long,
             device=self.device,
         )
