@@ -383,6 +383,8 @@ class Router:
                     conn, ready = accepted.get(timeout=0.2)
                 except queue.Empty:
                     continue
+                if isinstance(ready, (EOFError, OSError)) and not self.cfg.remote:
+                    continue  # a local worker gone before Ready: its exit status and log come next
                 if not isinstance(ready, Ready) or ready.worker not in workers:
                     raise StartupError(f"a worker said {ready!r} instead of Ready")
                 link = workers[ready.worker]
