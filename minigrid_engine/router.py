@@ -540,10 +540,10 @@ class Router:
     def _recover(self, restart: bool, dead: dict[str, str]) -> None:
         """Fail what is in flight, stop the survivors, then (`restart`) start every worker again,
         as many times as the restart limit allows."""
+        t0 = time.monotonic()  # a restart's time is the outage: from the death to every worker Ready
         self._fail_pending(dead)
         self._stop(list(self.workers.values()), STOP_GRACE_S)
         while restart and not self._closed:
-            t0 = time.monotonic()
             try:
                 self.start_workers()
             except StartupError as exc:
