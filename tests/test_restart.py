@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +24,7 @@ from minigrid_engine.errors import ConfigError
 from minigrid_engine.handle import Engine, Reply
 from minigrid_engine.records import record_prompt
 from minigrid_engine.recovery import Recovery, Status, WorkerFailure
-from minigrid_engine.router import Router
+from minigrid_engine.router import Router, free_port
 from minigrid_engine.scenario import codes_in, record_codes
 
 TENANTS = {"alice": "sk-alice", "bob": "sk-bob", "carol": "sk-carol"}
@@ -245,3 +249,56 @@ def test_a_port_taken_before_a_worker_binds_it_is_retried_on_a_fresh_one(
     err = capsys.readouterr().err
     assert "the prefill worker exited with status 1 during startup: a port it was given was in use" in err
     assert "starting every worker again on fresh ports (try 2 of 4)" in err
+
+
+def test_a_worker_from_another_host_is_not_restarted_and_the_engine_says_so(tmp_path: Path) -> None:
+    """`--remote decode`: the router cannot start a worker someone started on another host (here
+    the same host, over loopback), so its death leaves the engine down, saying so plainly."""
+    key = tmp_path / "authkey"
+    key.write_text(secrets.token_hex(32) + "\n")
+    key.chmod(0o600)
+    ready, admin = tmp_path / "url", secrets.token_hex(16)
+    listen = f"127.0.0.1:{free_port()}"
+    cli = [sys.executable, "-m", "minigrid_engine.cli"]
+    remote = ["--remote", "decode", "--worker-listen", listen, "--authkey-file", str(key)]
+    env = dict(os.environ, MINIGRID_ADMIN_KEY=admin, PYTHONUNBUFFERED="1")
+    log = (tmp_path / "serve.log").open("wb")
+    serve = subprocess.Popen(
+        [*cli, "serve", "--fixes", "none", "--port", "0", "--ready-file", str(ready), *remote],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    worker = subprocess.Popen(
+        [*cli, "worker", "--role", "decode", "--router", listen, "--authkey-file", str(key)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() or not ready.read_text().strip():
+            assert time.monotonic() < deadline and serve.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(0.1)
+        eng = Engine(ready.read_text().strip(), {"alice": "sk-alice"}, admin)
+        assert eng.wait_health("ok")["workers"]["decode"]["up"]
+        assert eng.complete("alice", "ALICE pin 48213X; " * 8, max_tokens=6).status == 200
+        worker.kill()
+        body = eng.wait_health("down", timeout_s=30)
+        assert body["last_failure"]["worker"] == "decode-0" and body["last_failure"]["remote"]
+        assert body["restarts"] == {"count": 0, "limit": 3}
+        assert "run on another host (--remote decode)" in body["recovery"]
+        r = eng.complete("alice", "ALICE pin 48213X; " * 8, max_tokens=6)
+        assert r.status == 503 and r.error is not None and r.error["code"] == "engine_down", r.error
+        assert "the router will not restart the workers" in r.error["message"]
+        assert "`minigrid worker` on that host" in r.error["message"]
+        eng.http.close()
+    finally:
+        for p in (worker, serve):
+            p.terminate()
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        log.close()
