@@ -198,6 +198,8 @@ class WorkerLink:
                 code = self.proc.wait(timeout=wait_s)
         if code is None:  # its connection closed, the process not yet gone
             return f"the {self.name} worker died (its connection closed)"
+        if code == 0:  # it was told to stop, or its peer's connection closed
+            return f"the {self.name} worker stopped (exit status 0)"
         return f"the {self.name} worker died (exit status {code})"
 
     def send(self, msg: object) -> None:
@@ -445,7 +447,7 @@ class Router:
             try:
                 msg = link.conn.recv()
             except (EOFError, OSError):
-                link.dead_reason = link.death(wait_s=5)
+                link.dead_reason = link.dead_reason or link.death(wait_s=5)
                 log.error("%s", link.dead_reason)
                 self._worker_died(link)
                 return
@@ -519,7 +521,7 @@ class Router:
             if decide:
                 failure = self._first_failure(link)
                 restart = self.recovery.on_failure(failure)
-                dead = {w.worker: w.death() for w in self.workers.values() if not w.alive()}
+                dead = {w.worker: w.dead_reason or w.death() for w in self.workers.values() if not w.alive()}
         if not decide:
             if self._closed and link.generation == self.generation:
                 self._fail_rooms(link.worker, link.dead_reason or link.death())
@@ -533,7 +535,7 @@ class Router:
         the lock)."""
         dead = [w for w in self.workers.values() if not w.alive() and w.conn is not None]
         failed = [w for w in dead if w.proc is not None and w.proc.poll() not in (None, 0)]
-        first = link if link in failed or not failed else failed[0]
+        first = link if any(w is link for w in failed) or not failed else failed[0]
         status = first.proc.poll() if first.proc is not None else None
         return WorkerFailure(first.worker, first.dead_reason or first.death(), status, first.proc is None)
 
@@ -542,7 +544,9 @@ class Router:
         as many times as the restart limit allows."""
         t0 = time.monotonic()  # a restart's time is the outage: from the death to every worker Ready
         self._fail_pending(dead)
-        self._stop(list(self.workers.values()), STOP_GRACE_S)
+        self._stop(
+            list(self.workers.values()), STOP_GRACE_S, f"stopped by the router after {self.recovery.cause}"
+        )
         while restart and not self._closed:
             try:
                 self.start_workers()
@@ -615,12 +619,15 @@ class Router:
             return {"Retry-After": str(self.recovery.retry_after_s())}
         return None
 
-    def _stop(self, links: list[WorkerLink], grace_s: float = 5) -> None:
-        """Ask `links`' workers to stop, wait `grace_s`, then kill the local ones still running."""
+    def _stop(self, links: list[WorkerLink], grace_s: float = 5, why: str | None = None) -> None:
+        """Ask `links`' workers to stop, wait `grace_s`, then kill the local ones still running.
+        `why`: what /health then says of each that was still up."""
         for w in links:
             try:
                 if w.conn is not None and w.alive():
-                    w.send(Shutdown("router stopping"))
+                    w.send(Shutdown(why or "router stopping"))
+                    if why is not None:
+                        w.dead_reason = w.dead_reason or f"the {w.name} worker was {why}"
             except (OSError, ConnectionError):
                 pass
         deadline = time.monotonic() + grace_s
