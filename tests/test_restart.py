@@ -88,6 +88,17 @@ def test_config_takes_worker_restarts_from_0() -> None:
         incident_preset(worker_restarts=101)
 
 
+def test_serve_refuses_a_negative_restart_count_in_one_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "minigrid_engine.cli", "serve", "--worker-restarts", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "--worker-restarts must be at least 0, got -1" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 # -- real processes -----------------------------------------------------------------------------
 def _admin(eng: Engine, path: str) -> Any:
     return eng.http.get(path, headers={"Authorization": f"Bearer {eng.admin_key}"})
