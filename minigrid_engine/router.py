@@ -4,7 +4,8 @@ It starts the worker processes (one per role by default, `--prefill-workers N --
 for more; a role named in `--remote` is started by hand on another host and joins), pairs one
 prefill and one decode worker per request (`pairing.py`), talks to them over authenticated
 sockets, and never imports torch (it stays small: the whole engine has to fit a 1 GB Binder
-session).
+session). When a worker dies it fails the requests in flight and restarts every local worker, a
+bounded number of times (`recovery.py`: the policy, and what `/health` says).
 """
 
 from __future__ import annotations
@@ -313,7 +314,7 @@ class Router:
             self.generation += 1
             generation = self.generation
             self.workers = workers = {}
-        first = generation == 1
+        first_start = generation == 1
         for role in ROLES:
             n = self.cfg.workers(role)
             for index in range(n):
@@ -395,7 +396,7 @@ class Router:
                 lines = [f"{link.worker}: {line}" if many else line for line in ready.log]
                 if link.proc is None:
                     lines.append(f"{link.worker} joined from another host at {ready.host}")
-                if first:  # serve() prints these; a restart's lines are printed here
+                if first_start:  # serve() prints these; a restart's lines are printed here
                     self.startup_log += lines
                 else:
                     for line in lines:
