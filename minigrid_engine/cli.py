@@ -149,6 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "decode_workers",
         "transfer_host",
         "worker_listen",
+        "worker_restarts",
     ):
         if getattr(args, flag) is not None:
             changes[flag] = getattr(args, flag)
@@ -411,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--transfer-host", help="this host's address for the KV transfer (prefill's listeners), 127.0.0.1"
     )
     s.add_argument("--worker-listen", help="HOST:PORT where the router waits for its workers")
+    s.add_argument(
+        "--worker-restarts", type=int, help="restarts of every local worker after one dies (3; 0: never)"
+    )
     s.add_argument("--authkey-file", type=Path, help="the key workers present (64 hex digits), for --remote")
     s.set_defaults(func=cmd_serve)
 

@@ -25,6 +25,7 @@ DEFAULT_TENANTS = {"alice": "sk-alice", "bob": "sk-bob"}
 MODEL_ID = "minigrid-byte"
 MAX_WORKERS_PER_ROLE = 8
 ROLES = ("prefill", "decode")
+MAX_WORKER_RESTARTS = 100
 
 
 def _whole(name: str, value: object, minimum: int = 1) -> int:
@@ -80,6 +81,7 @@ class ServeConfig:
     weights: str | None = None  # None: the weights shipped in the package
     release_timeout_s: float = 5.0  # decode gives up on a transfer after this long
     inject: tuple[str, ...] = ()  # fault injections (faults.py), for tests and labs only
+    worker_restarts: int = 3  # times the router restarts its workers after one dies (0: never)
 
     def __post_init__(self) -> None:
         _whole("--port", self.port, 0)
@@ -121,6 +123,12 @@ class ServeConfig:
         for name, key in self.tenants.items():
             if not key.strip():  # an empty key would let "Authorization: Bearer " in as that tenant
                 raise ConfigError(f"tenant {name!r} has an empty API key")
+        _whole("--worker-restarts", self.worker_restarts, 0)
+        if self.worker_restarts > MAX_WORKER_RESTARTS:
+            raise ConfigError(
+                f"--worker-restarts {self.worker_restarts}: at most {MAX_WORKER_RESTARTS} "
+                "(0 turns restarts off)"
+            )
         if not 0 < self.release_timeout_s <= 3600:
             raise ConfigError(
                 f"--release-timeout {self.release_timeout_s} must be between 0 and 3600 seconds"

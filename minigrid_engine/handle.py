@@ -310,6 +310,23 @@ class Engine:
         r = self.http.get("/health")
         return r.status_code, r.json()
 
+    def wait_health(self, *statuses: str, timeout_s: float = 120) -> dict[str, Any]:
+        """Poll `/health` until its status is one of `statuses` (ok, restarting, down); its body.
+        Raises `EngineNotReady` with the last body seen when it does not get there in time."""
+        deadline = time.monotonic() + timeout_s
+        body: dict[str, Any] = {}
+        while True:
+            try:
+                body = self.health()[1]
+            except httpx.HTTPError as exc:
+                body = {"error": str(exc)}
+            if body.get("status") in statuses:
+                return body
+            if time.monotonic() > deadline:
+                wanted = " or ".join(statuses)
+                raise EngineNotReady(f"/health did not say {wanted} in {timeout_s:g} s: {body}")
+            time.sleep(0.05)
+
     def worker_pids(self) -> dict[str, int]:
         """Pid of each worker, by role (by worker id, e.g. decode-1, where a role has several)."""
         return {name: w["pid"] for name, w in self.health()[1]["workers"].items()}
@@ -334,6 +351,7 @@ def _flags(cfg: ServeConfig) -> list[str]:
         "--attention": cfg.attention,
         "--max-batch": cfg.max_batch,
         "--release-timeout": cfg.release_timeout_s,
+        "--worker-restarts": cfg.worker_restarts,
     }
     if (cfg.prefill_workers, cfg.decode_workers) != (1, 1):
         values |= {"--prefill-workers": cfg.prefill_workers, "--decode-workers": cfg.decode_workers}

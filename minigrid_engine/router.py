@@ -4,7 +4,8 @@ It starts the worker processes (one per role by default, `--prefill-workers N --
 for more; a role named in `--remote` is started by hand on another host and joins), pairs one
 prefill and one decode worker per request (`pairing.py`), talks to them over authenticated
 sockets, and never imports torch (it stays small: the whole engine has to fit a 1 GB Binder
-session).
+session). When a worker dies it fails the requests in flight and restarts every local worker, a
+bounded number of times (`recovery.py`: the policy, and what `/health` says).
 """
 
 from __future__ import annotations
@@ -51,11 +52,14 @@ from minigrid_engine.messages import (
     Shutdown,
 )
 from minigrid_engine.pairing import Pairing
+from minigrid_engine.recovery import Recovery, Status, WorkerFailure
 from minigrid_engine.tokenizer import ByteTokenizer
 
 log = logging.getLogger("minigrid.router")
 disable_created_metrics()
 REMOTE_WAIT_S = 600  # how long the router waits for a worker started by hand on another host
+PORT_TRIES = 4  # starts on fresh ports when one the workers were given was taken meanwhile
+STOP_GRACE_S = 2.0  # how long a restart lets the survivors stop before it kills them
 MAX_BODY_BYTES = 4 * 2**20
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes (decode adds 1)
 
@@ -80,6 +84,14 @@ class StartupError(MinigridError):
     """A worker failed to start; the message carries what it said."""
 
 
+class PortInUse(StartupError):
+    """A worker could not bind a port it was given (taken between the router's pick and its bind)."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why  # one line: which worker, and that a port was in use
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -87,11 +99,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def api_error(
-    status: int, message: str, type_: str, code: str | None = None, param: str | None = None
+    status: int,
+    message: str,
+    type_: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     """An OpenAI-style error body."""
     return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status
+        {"error": {"message": message, "type": type_, "param": param, "code": code}},
+        status_code=status,
+        headers=headers,
     )
 
 
@@ -155,6 +174,7 @@ class WorkerLink:
     lock: threading.Lock = field(default_factory=threading.Lock)
     dead_reason: str | None = None
     claimed: bool = False  # a remote worker has joined for this slot
+    generation: int = 0  # which start of the workers it belongs to (each restart is a new one)
     log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=200))
 
     @property
@@ -168,6 +188,20 @@ class WorkerLink:
     def alive(self) -> bool:
         running = self.proc is None or self.proc.poll() is None
         return self.dead_reason is None and running and self.conn is not None
+
+    def death(self, wait_s: float = 0) -> str:
+        """Why it is gone, for errors and /health: "the decode-0 worker died (exit status -9)"."""
+        if self.proc is None:
+            return f"the {self.name} worker died (its connection closed)"
+        code = self.proc.poll()
+        if code is None and wait_s > 0:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self.proc.wait(timeout=wait_s)
+        if code is None:  # its connection closed, the process not yet gone
+            return f"the {self.name} worker died (its connection closed)"
+        if code == 0:  # it was told to stop, or its peer's connection closed
+            return f"the {self.name} worker stopped (exit status 0)"
+        return f"the {self.name} worker died (exit status {code})"
 
     def send(self, msg: object) -> None:
         if self.conn is None or not self.alive():
@@ -206,6 +240,14 @@ def spawn_worker(
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
+class _Refused(Exception):
+    """A request that arrives while the engine restarts or is down."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 def _host_port(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     return host.strip("[]"), int(port)
@@ -228,6 +270,9 @@ class Router:
         self._plock = threading.Lock()
         self.started_at = time.time()
         self.startup_log: list[str] = []
+        self.recovery = Recovery(cfg.worker_restarts, cfg.remote)
+        self.generation = 0  # bumped by each start of the workers
+        self._closed = False  # stop_workers was called: a death now is the router stopping
         self.registry = CollectorRegistry()
         self.requests_total = Counter(
             "minigrid_requests", "Completion requests by outcome", ["outcome"], registry=self.registry
@@ -242,6 +287,21 @@ class Router:
 
     # -- workers -------------------------------------------------------------------------
     def start_workers(self, timeout_s: float = 120) -> None:
+        """Start every worker (local ones spawned, remote ones awaited) and wait for each Ready.
+        A port taken between the router's pick and the worker's bind is retried on fresh ports."""
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                self._launch(timeout_s)
+                return
+            except PortInUse as exc:
+                if attempt == PORT_TRIES or self.cfg.remote:
+                    raise
+                again = f"try {attempt + 1} of {PORT_TRIES}"
+                line = f"{exc.why}; starting every worker again on fresh ports ({again})"
+                print(f"minigrid: {line}", file=sys.stderr, flush=True)
+
+    def _launch(self, timeout_s: float) -> None:
+        """One start of every worker: a new generation, fresh ports, a new torch.distributed group."""
         authkey = self.authkey or secrets.token_bytes(32)
         env = dict(os.environ, MINIGRID_AUTHKEY=authkey.hex())
         listener = Listener(_host_port(self.cfg.worker_listen), authkey=authkey)
@@ -250,6 +310,11 @@ class Router:
         self._dist_port = free_port(self.cfg.transfer_host)
         # The workers' command line is readable by every local user (`ps`): it carries no API key.
         self._worker_cfg = self.cfg.with_(tenants={name: "-" for name in self.cfg.tenants}, admin_key=None)
+        with self._plock:
+            self.generation += 1
+            generation = self.generation
+            self.workers = workers = {}
+        first_start = generation == 1
         for role in ROLES:
             n = self.cfg.workers(role)
             for index in range(n):
@@ -259,8 +324,8 @@ class Router:
                     proc = spawn_worker(
                         self._worker_cfg, role, index, router_addr, self._peer_ports, self._dist_port, env
                     )
-                link = WorkerLink(role, index, name, proc)
-                self.workers[link.worker] = link
+                link = WorkerLink(role, index, name, proc, generation=generation)
+                workers[link.worker] = link
                 if proc is not None:
                     threading.Thread(target=self._pump_stderr, args=(link,), daemon=True).start()
         if self.cfg.remote:  # what a firewall between the hosts must let through
@@ -303,32 +368,43 @@ class Router:
         wait_s = max(timeout_s, REMOTE_WAIT_S) if self.cfg.remote else timeout_s
         deadline = time.monotonic() + wait_s
         try:
-            while any(w.ready is None for w in self.workers.values()):
-                for w in self.workers.values():
+            while any(w.ready is None for w in workers.values()):
+                if self._closed:
+                    raise StartupError("the router is stopping")
+                for w in workers.values():
                     if w.proc is not None and w.proc.poll() is not None:
                         time.sleep(0.2)  # let its last lines arrive
-                        raise StartupError(
-                            f"the {w.name} worker exited with status {w.proc.returncode} during startup:\n"
-                            + "\n".join(w.log_tail)
-                        )
+                        said = "\n".join(w.log_tail)
+                        why = f"the {w.name} worker exited with status {w.proc.returncode} during startup"
+                        if "address already in use" in said.lower():
+                            raise PortInUse(f"{why}:\n{said}", f"{why}: a port it was given was in use")
+                        raise StartupError(f"{why}:\n{said}")
                 if time.monotonic() > deadline:
-                    missing = ", ".join(w.worker for w in self.workers.values() if w.ready is None)
+                    missing = ", ".join(w.worker for w in workers.values() if w.ready is None)
                     raise StartupError(f"workers not ready after {wait_s:.0f} s: {missing}")
                 try:
                     conn, ready = accepted.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                if not isinstance(ready, Ready) or ready.worker not in self.workers:
+                if isinstance(ready, (EOFError, OSError)) and not self.cfg.remote:
+                    continue  # a local worker gone before Ready: its exit status and log come next
+                if not isinstance(ready, Ready) or ready.worker not in workers:
                     raise StartupError(f"a worker said {ready!r} instead of Ready")
-                link = self.workers[ready.worker]
+                link = workers[ready.worker]
                 link.conn, link.ready = conn, ready
                 many = self.cfg.workers(link.role) > 1
-                self.startup_log += [f"{link.worker}: {line}" if many else line for line in ready.log]
+                lines = [f"{link.worker}: {line}" if many else line for line in ready.log]
                 if link.proc is None:
-                    self.startup_log.append(f"{link.worker} joined from another host at {ready.host}")
+                    lines.append(f"{link.worker} joined from another host at {ready.host}")
+                if first_start:  # serve() prints these; a restart's lines are printed here
+                    self.startup_log += lines
+                else:
+                    for line in lines:
+                        line = f"minigrid: restart {self.recovery.restarts}: {line}"
+                        print(line, file=sys.stderr, flush=True)
                 threading.Thread(target=self._reader, args=(link,), daemon=True).start()
         except BaseException:
-            self.stop_workers()
+            self._stop(list(workers.values()))
             raise
         finally:
             listener.close()
@@ -372,13 +448,9 @@ class Router:
             try:
                 msg = link.conn.recv()
             except (EOFError, OSError):
-                if link.proc is None:
-                    link.dead_reason = f"the {link.name} worker died (its connection closed)"
-                else:
-                    code = link.proc.wait(timeout=5) if link.proc.poll() is None else link.proc.returncode
-                    link.dead_reason = f"the {link.name} worker died (exit status {code})"
+                link.dead_reason = link.dead_reason or link.death(wait_s=5)
                 log.error("%s", link.dead_reason)
-                self._fail_rooms(link.worker, link.dead_reason)
+                self._worker_died(link)
                 return
             if isinstance(msg, Result):
                 self._resolve(msg)
@@ -439,15 +511,128 @@ class Router:
                 )
             )
 
-    def stop_workers(self, grace_s: float = 5) -> None:
-        for w in self.workers.values():
+    # -- failures and restarts (recovery.py) ------------------------------------------------
+    def _worker_died(self, link: WorkerLink) -> None:
+        """`link`'s connection closed. The first death of a healthy engine decides: restart every
+        local worker, or go down; any later one (the survivors the restart stops, a worker of an
+        older start, the router stopping) has nothing left to decide."""
+        with self._plock:
+            decide = link.generation == self.generation and not self._closed
+            decide = decide and self.recovery.status is Status.OK
+            if decide:
+                failure = self._first_failure(link)
+                restart = self.recovery.on_failure(failure)
+                dead = {w.worker: w.dead_reason or w.death() for w in self.workers.values() if not w.alive()}
+        if not decide:
+            if self._closed and link.generation == self.generation:
+                self._fail_rooms(link.worker, link.dead_reason or link.death())
+            return
+        print(f"minigrid: {failure.reason}; {self.recovery.note}", file=sys.stderr, flush=True)
+        threading.Thread(target=self._recover, args=(restart, dead), name="recover", daemon=True).start()
+
+    def _first_failure(self, link: WorkerLink) -> WorkerFailure:
+        """The failure to report: of the workers now dead, one that died of something (a signal,
+        an error), not one that exited cleanly because its peer's connection closed (call under
+        the lock)."""
+        dead = [w for w in self.workers.values() if not w.alive() and w.conn is not None]
+        failed = [w for w in dead if w.proc is not None and w.proc.poll() not in (None, 0)]
+        first = link if any(w is link for w in failed) or not failed else failed[0]
+        status = first.proc.poll() if first.proc is not None else None
+        return WorkerFailure(first.worker, first.dead_reason or first.death(), status, first.proc is None)
+
+    def _recover(self, restart: bool, dead: dict[str, str]) -> None:
+        """Fail what is in flight, stop the survivors, then (`restart`) start every worker again,
+        as many times as the restart limit allows."""
+        t0 = time.monotonic()  # a restart's time is the outage: from the death to every worker Ready
+        self._fail_pending(dead)
+        self._stop(
+            list(self.workers.values()), STOP_GRACE_S, f"stopped by the router after {self.recovery.cause}"
+        )
+        while restart and not self._closed:
+            try:
+                self.start_workers()
+            except StartupError as exc:
+                error = str(exc)
+            else:
+                with self._plock:
+                    gone = [w.death() for w in self.workers.values() if not w.alive()]
+                    if not gone and not self._closed:
+                        self.pairing = Pairing({role: self.cfg.workers(role) for role in ROLES})
+                        self.recovery.restarted(time.monotonic() - t0)
+                        break
+                error = "; ".join(gone) or "the router is stopping"
+                self._stop(list(self.workers.values()), STOP_GRACE_S)
+            if self._closed:
+                return
+            with self._plock:
+                restart = self.recovery.start_failed(error)
+            print(f"minigrid: {self.recovery.note}", file=sys.stderr, flush=True)
+        if restart:
+            print(f"minigrid: {self.recovery.note}", file=sys.stderr, flush=True)
+
+    def _fail_pending(self, dead: dict[str, str]) -> None:
+        """Fail every request in flight: 503, naming the dead worker and what the router does next."""
+        r = self.recovery
+        if r.status is Status.RESTARTING:
+            then = (
+                f"the router is restarting every local worker (restart {r.restarts} of {r.limit}): "
+                f"retry in about {r.retry_after_s()} s"
+            )
+        else:
+            then = r.why_not_restart() or "the engine is down"
+        with self._plock:
+            rooms = {room: self.pairing.rooms.get(room, ()) for room in self._pending}
+        for room, pair in rooms.items():
+            victim = next((w for w in pair if w in dead), None)
+            if victim is not None:
+                code, message = "worker_unavailable", f"{dead[victim]}; {then}"
+            elif r.status is Status.RESTARTING:
+                code = "engine_restarting"
+                message = (
+                    f"restarting after {r.cause}: this request was in flight on {' and '.join(pair)}, "
+                    f"which the restart stops; retry in about {r.retry_after_s()} s"
+                )
+            else:
+                code, message = "engine_down", f"the engine is down after {r.cause}; {then}"
+            self._resolve(
+                Result(
+                    room,
+                    "",
+                    "",
+                    503,
+                    finish_reason="error",
+                    error=message,
+                    code=code,
+                    error_type="server_error",
+                )
+            )
+
+    def refusal(self) -> tuple[str, str] | None:
+        """(code, message) for a request while the engine restarts or is down, else None."""
+        with self._plock:
+            return self.recovery.refusal()
+
+    def retry_headers(self, code: str | None) -> dict[str, str] | None:
+        """`Retry-After` for a 503 that a restart will cure."""
+        if code == "engine_restarting" or (
+            code == "worker_unavailable" and self.recovery.status is Status.RESTARTING
+        ):
+            return {"Retry-After": str(self.recovery.retry_after_s())}
+        return None
+
+    def _stop(self, links: list[WorkerLink], grace_s: float = 5, why: str | None = None) -> None:
+        """Ask `links`' workers to stop, wait `grace_s`, then kill the local ones still running.
+        `why`: what /health then says of each that was still up."""
+        for w in links:
             try:
                 if w.conn is not None and w.alive():
-                    w.send(Shutdown("router stopping"))
+                    w.send(Shutdown(why or "router stopping"))
+                    if why is not None:
+                        w.dead_reason = w.dead_reason or f"the {w.name} worker was {why}"
             except (OSError, ConnectionError):
                 pass
         deadline = time.monotonic() + grace_s
-        for w in self.workers.values():
+        for w in links:
             if w.proc is None:  # on another host: Shutdown was its word to stop
                 if w.conn is not None:
                     w.conn.close()
@@ -459,6 +644,11 @@ class Router:
                 w.proc.wait(timeout=5)
             if w.conn is not None:
                 w.conn.close()
+
+    def stop_workers(self, grace_s: float = 5) -> None:
+        """Stop every worker for good (the router is stopping: no restart follows)."""
+        self._closed = True
+        self._stop(list(self.workers.values()), grace_s)
 
     def links(self, role: str) -> list[WorkerLink]:
         return [w for w in self.workers.values() if w.role == role]
@@ -532,26 +722,27 @@ class Router:
                     self._queries.pop(qid, None)
 
     def health(self) -> dict[str, Any]:
-        """ok: every worker up; degraded: some down, but a live pair remains; else unavailable."""
-        workers = {
-            w.name: {
-                "up": w.alive(),
-                "pid": w.pid,
-                "worker": w.worker,
-                "role": w.role,
-                "host": w.ready.host if w.ready is not None else None,
-                "error": w.dead_reason if not w.alive() else None,
+        """ok: every worker up; restarting: a worker died and the router is starting them all
+        again; down: it will not (the reason is in `recovery`). With the restarts, the last
+        failure (which worker, why, when) and what the router did about it."""
+        with self._plock:
+            links = list(self.workers.values())
+            status = self.recovery.status
+            workers = {
+                w.name: {
+                    "up": w.alive(),
+                    "pid": w.pid,
+                    "worker": w.worker,
+                    "role": w.role,
+                    "host": w.ready.host if w.ready is not None else None,
+                    "error": None if w.alive() else w.dead_reason or "starting",
+                }
+                for w in links
             }
-            for w in self.workers.values()
-        }
-        expected = sum(self.cfg.workers(role) for role in ROLES)
-        if len(workers) == expected and all(w["up"] for w in workers.values()):
-            status = "ok"
-        elif all(any(w.alive() for w in self.links(role)) for role in ROLES):
-            status = "degraded"
-        else:
-            status = "unavailable"
-        return {"status": status, "workers": workers}
+            if status is Status.OK and not all(w["up"] for w in workers.values()):
+                # a death the router has not heard of yet (its connection is about to close)
+                status = Status.RESTARTING if self.recovery.why_not_restart() is None else Status.DOWN
+            return {"status": status.value, "workers": workers, **self.recovery.to_dict()}
 
     # -- requests ------------------------------------------------------------------------
     def tenant_of(self, authorization: str | None) -> str | None:
@@ -670,16 +861,32 @@ class Router:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Result] = loop.create_future()
         request_id = f"{tenant}-{room}"
+        links: list[WorkerLink] = []
         try:
             with self._plock:
+                refusal = self.recovery.refusal()  # a restart sweeps every room registered before it
+                if refusal is not None:
+                    raise _Refused(*refusal)
                 alive = {w.worker for w in self.workers.values() if w.alive()}
                 pair = self.pairing.pair(room, alive)  # the bootstrap room's prefill and decode
+                links = [self.workers[w] for w in pair]
                 self._pending[room] = (loop, fut)
             msg = GenerateRequest(
                 room, request_id, tenant, ids, max_tokens, temperature, seed, prefill=pair[0], decode=pair[1]
             )
-            for worker in pair:
-                self.workers[worker].send(msg)
+            for link in links:
+                link.send(msg)
+        except _Refused as exc:
+            return Result(
+                room,
+                request_id,
+                tenant,
+                503,
+                finish_reason="error",
+                error=exc.message,
+                code=exc.code,
+                error_type="server_error",
+            )
         except (ConnectionError, OSError) as exc:
             with self._plock:
                 if self._pending.pop(room, None) is not None:
@@ -700,11 +907,9 @@ class Router:
             with self._plock:
                 if self._pending.pop(room, None) is not None:
                     self.pairing.done(room)
-            for worker in pair:
+            for link in links:
                 with contextlib.suppress(ConnectionError, OSError):
-                    self.workers[worker].send(
-                        Abort(room, "client disconnected", 499, "client_closed", "router")
-                    )
+                    link.send(Abort(room, "client disconnected", 499, "client_closed", "router"))
             raise
 
     # -- the HTTP application ------------------------------------------------------------
@@ -736,6 +941,17 @@ class Router:
                 403, f"{what} are shown to the admin key only", "invalid_request_error", "forbidden"
             )
 
+        def busy(code: str, message: str) -> JSONResponse:
+            """503 while the engine restarts (with Retry-After) or is down."""
+            return api_error(503, message, "server_error", code, headers=router.retry_headers(code))
+
+        def worker_error(exc: Exception) -> JSONResponse:
+            """503 for a view whose worker went away while it was asked."""
+            why = router.refusal()
+            if why is not None:
+                return busy(*why)
+            return api_error(503, str(exc), "server_error", "worker_unavailable")
+
         def unauthorized() -> JSONResponse:
             return api_error(
                 401,
@@ -760,15 +976,10 @@ class Router:
             except BadRequest as exc:
                 router.requests_total.labels("invalid").inc()
                 return api_error(exc.status, exc.message, "invalid_request_error", exc.code, exc.param)
-            if router.health()["status"] == "unavailable":
+            refusal = router.refusal()
+            if refusal is not None:
                 router.requests_total.labels("unavailable").inc()
-                return api_error(
-                    503,
-                    "; ".join(w["error"] or "" for w in router.health()["workers"].values() if w["error"])
-                    or "engine not ready",
-                    "server_error",
-                    "worker_unavailable",
-                )
+                return busy(*refusal)
             # uvicorn never cancels a handler whose client went away: watch for it, so that the
             # workers hear of it (Router.complete sends the Abort) instead of decoding for nobody.
             work = asyncio.ensure_future(router.complete(tenant, ids, max_tokens, temperature, seed))
@@ -794,6 +1005,7 @@ class Router:
                     result.error or "request failed",
                     result.error_type or "server_error",
                     result.code,
+                    headers=router.retry_headers(result.code) if result.status == 503 else None,
                 )
             router.requests_total.labels("ok").inc()
             ttft = result.timings.get("ttft_s")
@@ -902,11 +1114,13 @@ class Router:
             refusal = router.fixes_refusal(fixes)
             if refusal is not None:
                 return api_error(409, refusal, "invalid_request_error", "fix_not_applicable", "fixes")
+            if (why := router.refusal()) is not None:
+                return busy(*why)
             before = str(router.cfg.fixes)
             try:
                 confirmed = await asyncio.to_thread(router.set_fixes, fixes)
             except (ConnectionError, OSError, TimeoutError) as exc:
-                return api_error(503, str(exc), "server_error", "worker_unavailable")
+                return worker_error(exc)
             log.warning("fixes switched from %s to %s by the admin key", before, fixes)
             print(f"minigrid: fixes switched from {before} to {fixes}", file=sys.stderr, flush=True)
             return JSONResponse({"fixes": fixes.names(), "previous": before, "workers": confirmed})
@@ -918,11 +1132,16 @@ class Router:
                 return unauthorized()
             if tenant != "admin":
                 return admin_only("the page pools")
+            if (why := router.refusal()) is not None:
+                return busy(*why)
             # one list per role; each page names its worker (each worker has its own pool)
-            snaps = {
-                role: [p for _, ps in await asyncio.to_thread(router.query_role, role, "pool") for p in ps]
-                for role in ROLES
-            }
+            try:
+                snaps = {}
+                for role in ROLES:
+                    answers = await asyncio.to_thread(router.query_role, role, "pool")
+                    snaps[role] = [p for _, ps in answers for p in ps]
+            except (ConnectionError, OSError, TimeoutError) as exc:
+                return worker_error(exc)
             return JSONResponse(snaps)
 
         @app.get("/v1/minigrid/integrity")
@@ -932,7 +1151,12 @@ class Router:
                 return unauthorized()
             if tenant != "admin":
                 return admin_only("the pool integrity checks")
-            checks = {role: await asyncio.to_thread(router.integrity, role) for role in ROLES}
+            if (why := router.refusal()) is not None:
+                return busy(*why)
+            try:
+                checks = {role: await asyncio.to_thread(router.integrity, role) for role in ROLES}
+            except (ConnectionError, OSError, TimeoutError) as exc:
+                return worker_error(exc)
             return JSONResponse({"ok": all(c["ok"] for c in checks.values()), **checks})
 
         @app.get("/v1/minigrid/trace")
@@ -958,13 +1182,18 @@ class Router:
                     "invalid_value",
                     "worker",
                 )
+            if (why := router.refusal()) is not None:
+                return busy(*why)
             only = None if tenant == "admin" else tenant
             # each worker numbers its own events: `since` with `worker` (or `role`, when the role
             # has one worker) pages through one of them; every event names its worker
-            events = {
-                r: await asyncio.to_thread(router.trace_of, r, worker, since=since, tenant=only)
-                for r in (ROLES if role is None else (role,))
-            }
+            try:
+                events = {
+                    r: await asyncio.to_thread(router.trace_of, r, worker, since=since, tenant=only)
+                    for r in (ROLES if role is None else (role,))
+                }
+            except (ConnectionError, OSError, TimeoutError) as exc:
+                return worker_error(exc)
             if only is not None:
                 events = {r: tenant_view(evs, only) for r, evs in events.items()}
             return JSONResponse(events)
@@ -1066,6 +1295,11 @@ class _PoolCollector:
         for fix in FIXES:
             on.add_metric([fix], 1.0 if fix in names else 0.0)
         yield on
+        restarts = CounterMetricFamily(
+            "minigrid_worker_restarts", "Restarts of every local worker after one died (recovery.py)"
+        )
+        restarts.add_metric([], r.recovery.restarts)
+        yield restarts
         page = GaugeMetricFamily("minigrid_kv_page_size_tokens", "Tokens per KV page")
         page.add_metric([], r.cfg.page_size)
         yield page

@@ -171,18 +171,20 @@ def test_other_numbers_leak_the_same_way() -> None:
 
 
 def test_dead_worker_is_reported_not_hung() -> None:
-    with Engine.start(incident_preset()) as eng:
+    """With restarts off (--worker-restarts 0) a dead worker leaves the engine down, saying why;
+    tests/test_restart.py has the restarts."""
+    with Engine.start(incident_preset(worker_restarts=0)) as eng:
         pids = eng.worker_pids()
         os.kill(pids["decode"], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while eng.health()[0] == 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        eng.wait_health("down", timeout_s=30)
         status, body = eng.health()
         assert status == 503 and not body["workers"]["decode"]["up"]
         assert "decode worker died" in body["workers"]["decode"]["error"]
+        assert "restarts are off (--worker-restarts 0)" in body["recovery"]
         t0 = time.monotonic()
         r = eng.complete("alice", "ALICE pin 1; " * 3, max_tokens=3)
         assert r.status == 503 and "decode worker died" in r.error["message"]
+        assert r.error["code"] == "engine_down"
         assert time.monotonic() - t0 < 5
 
 
