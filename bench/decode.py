@@ -139,7 +139,8 @@ def run_side_by_side(
     """Both paths decode the same batch, one step of each in turn (the order swapping every step),
     so that a burst of load on a shared machine lands on both alike.
     Returns (paged seconds, contiguous seconds, identical tokens)."""
-    paged, contig = PagedDecode(model, prompts, steps, page, attention), ContiguousDecode(model, prompts, steps)
+    paged = PagedDecode(model, prompts, steps, page, attention)
+    contig = ContiguousDecode(model, prompts, steps)
     spent = {"paged": 0.0, "contig": 0.0}
     for s in range(steps):
         order = [("paged", paged), ("contig", contig)]
