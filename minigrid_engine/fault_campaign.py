@@ -190,7 +190,9 @@ def _foreign_trace(events: list[dict[str, Any]]) -> list[str]:
         if e["kind"] == "write" and e["detail"].get("source") == "transfer":
             owners = [o for o in e["detail"].get("owners", []) if o is not None and o != e["request"]]
             if owners:
-                found.append(f"{e['request']}'s page data written into pages held by {', '.join(sorted(set(owners)))}")
+                found.append(
+                    f"{e['request']}'s page data written into pages held by {', '.join(sorted(set(owners)))}"
+                )
     for request, rows in reads_by_request(events).items():
         tenant = request.rpartition("-")[0]
         other = {r["last_writer_tenant"] for r in rows} - {None, tenant}
@@ -223,6 +225,17 @@ def _wait_health(eng: Engine, timeout_s: float) -> str:
         time.sleep(0.5)
 
 
+def _wait_unhealthy(eng: Engine, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if eng.health()[1].get("status") != "ok":
+                return
+        except Exception:
+            return
+        time.sleep(0.05)
+
+
 def _integrity(eng: Engine) -> bool:
     r = eng.http.get("/v1/minigrid/integrity", headers={"Authorization": f"Bearer {eng.admin_key}"})
     return r.status_code == 200 and bool(r.json().get("ok"))
@@ -250,11 +263,15 @@ def run_case(case: FaultCase, restart_wait_s: float = 60.0, seed: int = 0) -> Ou
         target_len, victim_len = 160, 96
         victim_budget = ctx - victim_len - 8
         with ThreadPoolExecutor(2) as pool:
-            target = pool.submit(send, TARGET, target_len, 48 if case.kill == "decode" else 8)
+            if case.kill == "decode":  # a long decode, so that she is decoding when it dies
+                target = pool.submit(send, TARGET, 64, ctx - 64 - 8)
+            else:
+                target = pool.submit(send, TARGET, target_len, 8)
             if case.kill is not None:
-                time.sleep(1.0)  # carol's transfer is held (prefill) or she is decoding (decode)
+                time.sleep(0.5)  # carol's transfer is held (prefill) or she is decoding (decode)
                 os.kill(eng.worker_pids()[case.kill], signal.SIGKILL)
                 affected = target.result()
+                _wait_unhealthy(eng, 10.0)  # the router has seen the death before we ask again
             elif case.concurrent:
                 time.sleep(0.1)
                 pool.submit(send, VICTIM, victim_len, victim_budget).result()
@@ -312,7 +329,15 @@ class CampaignReport:
         return line
 
     def table(self) -> str:
-        head = ("fault", "affected request", "foreign data", "pages back", "health", "served again", "survived")
+        head = (
+            "fault",
+            "affected request",
+            "foreign data",
+            "pages back",
+            "health",
+            "served again",
+            "survived",
+        )
         rows = [head]
         for o in self.outcomes:
             if o.control:
@@ -356,7 +381,9 @@ def select(only: str | None) -> list[FaultCase]:
     names = [n.strip() for n in only.split(",") if n.strip()]
     unknown = [n for n in names if n not in NAMES]
     if unknown or not names:
-        raise ConfigError(f"--only {only!r}: unknown case {', '.join(unknown)}; choose from {', '.join(NAMES)}")
+        raise ConfigError(
+            f"--only {only!r}: unknown case {', '.join(unknown)}; choose from {', '.join(NAMES)}"
+        )
     return [c for c in CASES if c.name in names]
 
 
