@@ -475,10 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
     fa = sub.add_parser(
         "faults",
         help="inject each message fault and worker death into a fresh engine: exit 0 when all are survived",
-        description="The fault campaign (minigrid_engine/fault_campaign.py): one small engine per fault, "
-        "aimed at one tenant; checks the affected request's error, foreign data in every reply and in the "
-        "trace, pages back, /health and the next request. Controls rerun faults with --fixes none and must show the "
-        "harm. It starts its own engines, so no MINIGRID_FAULT_INJECTION is needed.",
+        description=(
+            "The fault campaign (minigrid_engine/fault_campaign.py): one small engine per fault, aimed at "
+            "one tenant; checks the affected request's error, foreign data in every reply and in the trace, "
+            "pages back, /health and the next request. Controls rerun faults with --fixes none and must "
+            "show the harm. It starts its own engines, so no MINIGRID_FAULT_INJECTION is needed."
+        ),
     )
     fa.add_argument("--only", metavar="NAME,...", help="run only these cases (see the table for the names)")
     fa.add_argument("--json", action="store_true", help="the report as JSON (no progress bar)")
