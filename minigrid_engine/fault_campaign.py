@@ -127,6 +127,7 @@ class Outcome:
     control: bool
     what: str
     affected: str = "-"  # carol's request: "504 kv_transfer_timeout", or "200"
+    message: str = ""  # the error message carol's client got
     clear_error: bool = False  # failed with status, code and message, or served as allowed
     foreign_data: list[str] = field(default_factory=list)  # what leaked, in words
     pages_back: bool = False
@@ -280,6 +281,7 @@ def run_case(case: FaultCase, restart_wait_s: float = 60.0, seed: int = 0) -> Ou
                 affected = target.result()
                 send(VICTIM, victim_len, victim_budget)
         out.affected = _describe(affected)
+        out.message = str((affected.error or {}).get("message", ""))
         out.clear_error = _clear_error(affected) or (
             case.may_serve and affected.ok and not tenants.foreign(TARGET, affected)
         )
