@@ -36,6 +36,7 @@ from typing import Any
 
 from minigrid_engine.config import ServeConfig, corrected_preset
 from minigrid_engine.errors import ConfigError
+from minigrid_engine.faults import parse_fault
 from minigrid_engine.forensics import reads_by_request
 from minigrid_engine.handle import Engine, Reply
 from minigrid_engine.records import record_prompt
@@ -263,6 +264,7 @@ def run_case(case: FaultCase, restart_wait_s: float = 60.0, seed: int = 0) -> Ou
         # The fault: carol's request; alice's comes with it or right after (decoding long).
         target_len, victim_len = 160, 96
         victim_budget = ctx - victim_len - 8
+        started = time.monotonic()
         with ThreadPoolExecutor(2) as pool:
             if case.kill == "decode":  # a long decode, so that she is decoding when it dies
                 target = pool.submit(send, TARGET, 64, ctx - 64 - 8)
@@ -279,7 +281,12 @@ def run_case(case: FaultCase, restart_wait_s: float = 60.0, seed: int = 0) -> Ou
                 affected = target.result()
             else:
                 affected = target.result()
-                send(VICTIM, victim_len, victim_budget)
+                # alice decodes, request after request, until whatever the fault held has landed
+                until = started + (parse_fault(case.inject).seconds if case.inject else 0) + 1.0
+                while True:
+                    send(VICTIM, victim_len, victim_budget)
+                    if time.monotonic() > until:
+                        break
         out.affected = _describe(affected)
         out.message = str((affected.error or {}).get("message", ""))
         out.clear_error = _clear_error(affected) or (
