@@ -15,7 +15,11 @@ fault; carol's request is the one the fault hits. A fault is *survived* when
 3. every page comes back (`minigrid_kv_pages_in_use` of both roles is 0 once idle) and
    `/v1/minigrid/integrity` is ok;
 4. `/health` answers 200 "ok" (after a killed worker: within `restart_wait_s`, which needs the
-   router to restart it), and a next request of each tenant is served 200.
+   router to restart it), and a next request of alice and of carol is served 200.
+
+`kill-prefill-during-transfer` holds a transfer with ``delay-transfer=3@dave`` and kills prefill
+meanwhile: dave is the target there because a restarted prefill reads the same configuration and
+would hold carol's next transfer too.
 
 Controls run a fault with `--fixes none`, where the campaign must see the harm (another tenant's
 data written or read): proof that the checks can fail. The campaign starts its own engines on
@@ -43,6 +47,7 @@ from minigrid_engine.records import record_prompt
 from minigrid_engine.scenario import codes_in, record_codes
 
 VICTIM, TARGET = "alice", "carol"
+BYSTANDER = "dave"  # a kill case's target: a restarted worker re-arms its injection (its config)
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,8 @@ class FaultCase:
     """One row of the campaign."""
 
     name: str
-    inject: str = ""  # a faults.py spec, aimed at TARGET; "" for the kills
+    inject: str = ""  # a faults.py spec, aimed at `target`; "" for the kills
+    target: str = TARGET  # the tenant whose request the fault hits
     fixes: str = "all"
     control: bool = False  # run with the fixes off: the checks must see the harm
     concurrent: bool = False  # alice's request starts while carol's is in flight
@@ -79,7 +85,8 @@ CASES: tuple[FaultCase, ...] = (
         "kill-prefill-during-transfer",
         "delay-transfer=3",
         kill="prefill",
-        what="the prefill worker is killed while carol's transfer is held",
+        target=BYSTANDER,
+        what="the prefill worker is killed while dave's transfer is held",
     ),
     FaultCase("kill-decode", kill="decode", what="the decode worker is killed while carol decodes"),
     FaultCase(
@@ -115,7 +122,7 @@ def campaign_config(**changes: Any) -> ServeConfig:
         "prefill_pool_tokens": 512,
         "decode_pool_tokens": 1024,
         "release_timeout_s": 1.0,
-        "tenants": {VICTIM: "sk-alice", TARGET: "sk-carol"},
+        "tenants": {VICTIM: "sk-alice", TARGET: "sk-carol", BYSTANDER: "sk-dave"},
     }
     return corrected_preset(**{**base, **changes})
 
@@ -162,7 +169,7 @@ class _Tenants:
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.codes: dict[str, set[str]] = {VICTIM: set(), TARGET: set()}
+        self.codes: dict[str, set[str]] = {VICTIM: set(), TARGET: set(), BYSTANDER: set()}
 
     def prompt(self, tenant: str, n_tokens: int) -> str:
         text = record_prompt(tenant, n_tokens, self.rng, 6)
@@ -246,7 +253,7 @@ def _integrity(eng: Engine) -> bool:
 def run_case(case: FaultCase, restart_wait_s: float = 60.0, seed: int = 0) -> Outcome:
     """Start an engine with `case`'s fault aimed at carol, run the requests, check, stop it."""
     out = Outcome(case.name, case.control, case.what)
-    inject = (f"{case.inject}@{TARGET}",) if case.inject else ()
+    inject = (f"{case.inject}@{case.target}",) if case.inject else ()
     cfg = campaign_config(inject=inject)
     ctx = cfg.context_length
     tenants = _Tenants(seed)
@@ -267,9 +274,9 @@ def run_case(case: FaultCase, restart_wait_s: float = 60.0, seed: int = 0) -> Ou
         started = time.monotonic()
         with ThreadPoolExecutor(2) as pool:
             if case.kill == "decode":  # a long decode, so that she is decoding when it dies
-                target = pool.submit(send, TARGET, 64, ctx - 64 - 8)
+                target = pool.submit(send, case.target, 64, ctx - 64 - 8)
             else:
-                target = pool.submit(send, TARGET, target_len, 8)
+                target = pool.submit(send, case.target, target_len, 8)
             if case.kill is not None:
                 time.sleep(0.5)  # carol's transfer is held (prefill) or she is decoding (decode)
                 os.kill(eng.worker_pids()[case.kill], signal.SIGKILL)
@@ -290,7 +297,7 @@ def run_case(case: FaultCase, restart_wait_s: float = 60.0, seed: int = 0) -> Ou
         out.affected = _describe(affected)
         out.message = str((affected.error or {}).get("message", ""))
         out.clear_error = _clear_error(affected) or (
-            case.may_serve and affected.ok and not tenants.foreign(TARGET, affected)
+            case.may_serve and affected.ok and not tenants.foreign(case.target, affected)
         )
         # After: the engine comes back (or says it cannot), every page comes back.
         out.health = _wait_health(eng, restart_wait_s if case.kill else 5.0)
@@ -301,6 +308,10 @@ def run_case(case: FaultCase, restart_wait_s: float = 60.0, seed: int = 0) -> Ou
             out.integrity = _integrity(eng)
             again = [send(VICTIM, 64, 8), send(TARGET, 64, 8)]
             out.served_again = all(r.ok for r in again)
+            if not out.served_again:
+                out.note = "not served again: " + "; ".join(
+                    f"{_describe(r)} {(r.error or {}).get('message', '')}" for r in again if not r.ok
+                )
         for tenant, reply in replies:
             leaked = tenants.foreign(tenant, reply)
             if leaked:
