@@ -125,6 +125,16 @@ def test_fixes_none_control_shows_the_leak() -> None:
     assert not out.survived and out.as_expected
 
 
+def test_a_killed_decode_worker_fails_the_request_and_health_says_so() -> None:
+    """Until the router restarts workers this is "not survived", said plainly; after, survived."""
+    (case,) = select("kill-decode")
+    out = run_case(case, restart_wait_s=20)
+    assert out.affected == "503 worker_unavailable", out
+    assert "worker died" in out.message, out.message
+    assert not out.foreign_data
+    assert out.survived or (out.health != "ok" and out.note == "not survived: engine did not come back"), out
+
+
 # -- the traces and the worker: one engine, two faults on carol, alice untouched ------------
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
