@@ -67,6 +67,7 @@ class DecodeScheduler:
         self.transfer: dict[int, Request] = {}
         self.running: list[Request] = []
         self._early: set[int] = set()  # Bootstrapped that arrived before the request
+        self._early_aborts: dict[int, Abort] = {}  # prefill's Abort that overtook the request
         self.transfer_since: dict[int, float] = {}
         self.rooms: dict[int, tuple[str, str]] = {}
         self.quarantine: dict[int, tuple[Request, float]] = {}  # deferred-release: room -> (req, until)
@@ -96,6 +97,10 @@ class DecodeScheduler:
         self.rooms[msg.room] = (req.request_id, req.tenant)
         while len(self.rooms) > 10_000:  # who each recent room was, for late messages
             del self.rooms[next(iter(self.rooms))]
+        if msg.room in self._early_aborts:  # prefill failed it first: no page is reserved
+            self._early.discard(msg.room)
+            self.on_abort(self._early_aborts.pop(msg.room))
+            return
         if msg.room in self._early:
             self._early.discard(msg.room)
             self.on_bootstrapped(Bootstrapped(msg.room))
@@ -279,6 +284,10 @@ class DecodeScheduler:
                 self._generators.pop(msg.room, None)
                 req = r
         if req is None:
+            if msg.room not in self.rooms:  # it overtook the request itself: keep it for then
+                self._early_aborts[msg.room] = msg
+                while len(self._early_aborts) > 10_000:
+                    del self._early_aborts[next(iter(self._early_aborts))]
             return
         self._release(req)
         req.finish(Outcome.ABORTED, self.trace, msg.reason)
