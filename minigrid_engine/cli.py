@@ -177,7 +177,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.authkey_file is not None:
         authkey = _authkey(args.authkey_file)
     if args.inject:
-        parse_faults(args.inject)  # refused here, before anything starts, unless allowed
+        # refused here, before anything starts, unless allowed; @TENANT must name a tenant
+        parse_faults(args.inject, tenants=changes.get("tenants", base.tenants))  # type: ignore[arg-type]
         changes["inject"] = tuple(args.inject)
     on_listening = None
     if args.workshop is not None:
@@ -284,6 +285,19 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     return 0 if report.isolated else 1
 
 
+def cmd_faults(args: argparse.Namespace) -> int:
+    from minigrid_engine.fault_campaign import run_campaign, select
+
+    cases = select(args.only)  # a ConfigError (exit 2) names the cases on a typo
+    report = run_campaign(cases, progress=not args.json, restart_wait_s=args.restart_wait)
+    text = report.to_json()
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(text if args.json else report.table())
+    return 0 if report.ok else 1
+
+
 def cmd_check_protocol(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
@@ -381,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="FAULT",
         help="fault injection for tests and labs (needs MINIGRID_FAULT_INJECTION=1): "
-        "delay-transfer=SECONDS, drop-done, duplicate-done",
+        "NAME[=SECONDS][@TENANT] with NAME one of delay-transfer=S, delay-done=S, drop-transfer, drop-done, "
+        "duplicate-transfer, duplicate-done, reorder-transfer, reorder-done, prefill-error",
     )
     s.add_argument("--ready-file", type=Path, help="write the server's URL here once it serves")
     s.add_argument(
@@ -460,6 +475,29 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--decode-pool-tokens", type=positive_int)
     f.add_argument("--json", action="store_true", help="the report as JSON (no progress bar)")
     f.set_defaults(func=cmd_fuzz)
+
+    fa = sub.add_parser(
+        "faults",
+        help="inject each message fault and worker death into a fresh engine: exit 0 when all are survived",
+        description=(
+            "The fault campaign (minigrid_engine/fault_campaign.py): one small engine per fault, aimed at "
+            "one tenant; checks the affected request's error, foreign data in every reply and in the trace, "
+            "pages back, /health and the next request. Controls rerun faults with --fixes none and must "
+            "show the harm. It starts its own engines, so no MINIGRID_FAULT_INJECTION is needed."
+        ),
+    )
+    fa.add_argument("--only", metavar="NAME,...", help="run only these cases (see the table for the names)")
+    fa.add_argument("--json", action="store_true", help="the report as JSON (no progress bar)")
+    fa.add_argument(
+        "--out", type=Path, help="also write the JSON report here, e.g. bench/results/faults.json"
+    )
+    fa.add_argument(
+        "--restart-wait",
+        type=float,
+        default=60.0,
+        help="seconds to wait for a killed worker to come back (60)",
+    )
+    fa.set_defaults(func=cmd_faults)
 
     m = sub.add_parser(
         "check-protocol",

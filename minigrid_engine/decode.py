@@ -8,6 +8,12 @@
   over every page it reserved, however many prefill actually wrote.
 - **running batch**: one decode step over all running requests at a time; finished requests
   release their pages (not zeroed) and their result goes to the router.
+
+Messages that break the protocol (faults.py injects each): before a request commits, decode fails
+it on any anomaly it can see (`coverage-check`: page data that came twice, named pages the room
+does not hold, a done message before all its page data); after the commit, or for a room that no
+longer waits for a transfer, it drops the message and traces it (`deferred-release` for page
+data; a done message for such a room is always ignored).
 """
 
 from __future__ import annotations
@@ -61,9 +67,11 @@ class DecodeScheduler:
         self.transfer: dict[int, Request] = {}
         self.running: list[Request] = []
         self._early: set[int] = set()  # Bootstrapped that arrived before the request
+        self._early_aborts: dict[int, Abort] = {}  # prefill's Abort that overtook the request
         self.transfer_since: dict[int, float] = {}
         self.rooms: dict[int, tuple[str, str]] = {}
         self.quarantine: dict[int, tuple[Request, float]] = {}  # deferred-release: room -> (req, until)
+        self.received: dict[int, list[int]] = {}  # room -> decode pages whose page data arrived
         self._generators: dict[int, torch.Generator] = {}
         self.counters = {
             "decoded_tokens": 0,
@@ -89,6 +97,10 @@ class DecodeScheduler:
         self.rooms[msg.room] = (req.request_id, req.tenant)
         while len(self.rooms) > 10_000:  # who each recent room was, for late messages
             del self.rooms[next(iter(self.rooms))]
+        if msg.room in self._early_aborts:  # prefill failed it first: no page is reserved
+            self._early.discard(msg.room)
+            self.on_abort(self._early_aborts.pop(msg.room))
+            return
         if msg.room in self._early:
             self._early.discard(msg.room)
             self.on_bootstrapped(Bootstrapped(msg.room))
@@ -104,10 +116,30 @@ class DecodeScheduler:
     def on_transfer_begin(self, msg: TransferBegin, data: torch.Tensor, peer: str | None = None) -> None:
         """Page data arrived for `msg.room` (from `peer`, WORKER@ADDRESS): write it where the
         message says."""
-        if self.fixes.deferred_release and msg.room not in self.transfer and msg.room not in self.quarantine:
+        req = self.transfer.get(msg.room)
+        if self.fixes.deferred_release and req is None and msg.room not in self.quarantine:
             # Fix `deferred-release`: data for a room that holds no pages here is dropped.
             log.warning("decode: dropped late page data for room %d (no pages held)", msg.room)
+            self._dropped(msg, "page data for a room that waits for no transfer (late or duplicate)")
             return
+        if req is not None and self.fixes.coverage_check:
+            # Fix `coverage-check`: a room's page data comes once, into the pages it reserved.
+            owned = self.pool.reservation(req.request_id).pages
+            if msg.room in self.received or not set(msg.dst_pages) <= set(owned):
+                again = msg.room in self.received
+                self._dropped(msg, "page data came twice" if again else "names pages the room does not hold")
+                self._fail_transfer(
+                    req,
+                    f"KV transfer for {req.request_id} arrived twice (page data for decode pages "
+                    f"{msg.dst_pages} came again)"
+                    if again
+                    else f"KV transfer for {req.request_id} named decode pages {msg.dst_pages}, not all "
+                    f"of them reserved by it ({list(owned)})",
+                    "kv_transfer_duplicate" if again else "kv_transfer_bad_pages",
+                )
+                return
+        if req is not None:
+            self.received[msg.room] = list(msg.dst_pages)
         store_pages(self.pool, msg.dst_pages, data)
         # The faulty engine writes into the named pages whoever holds them now; the trace says who.
         writer, tenant = self.rooms.get(msg.room, (f"room-{msg.room}", "?"))
@@ -121,8 +153,19 @@ class DecodeScheduler:
     def on_transfer_done(self, msg: TransferDone) -> None:
         req = self.transfer.pop(msg.room, None)
         self.transfer_since.pop(msg.room, None)
-        if req is None:
-            return  # no such room (aborted meanwhile): nothing to commit
+        received = self.received.pop(msg.room, [])
+        if req is None:  # no such room (aborted meanwhile, or a duplicate): nothing to commit
+            writer, tenant = self.rooms.get(msg.room, (f"room-{msg.room}", "?"))
+            self.trace.emit(
+                "ignored",
+                writer,
+                tenant,
+                (),
+                message="done",
+                room=msg.room,
+                reason="a done message for a room that waits for no transfer (late or duplicate)",
+            )
+            return
         if not msg.success or msg.first_token is None:
             self._abort(req, f"prefill reported a failed transfer: {msg.error or 'no reason given'}")
             return
@@ -133,6 +176,18 @@ class DecodeScheduler:
                 req,
                 f"KV coverage mismatch for {req.request_id}: prefill wrote {msg.written_tokens} tokens "
                 f"of KV, decode preallocated {req.prompt_len}",
+                "kv_coverage_mismatch",
+            )
+            return
+        need = self.pool.pages_for(req.prompt_len)
+        if self.fixes.coverage_check and len(received) < need:
+            # Fix `coverage-check`, on what arrived: the done message came before (or without)
+            # the page data it vouches for. Data still on its way is kept out of reused pages.
+            self._fail_transfer(
+                req,
+                f"KV coverage mismatch for {req.request_id}: prefill's done message says "
+                f"{msg.written_tokens} tokens of KV were sent, but page data for only {len(received)} of "
+                f"{need} prompt pages had arrived (lost, or overtaken by the done message)",
                 "kv_coverage_mismatch",
             )
             return
@@ -178,16 +233,31 @@ class DecodeScheduler:
             if req is None:
                 continue
             reason = f"KV transfer for {req.request_id} did not complete within {timeout:g} s"
-            if self.fixes.deferred_release:
-                # Fix `deferred-release`: fail the request now, but keep its pages reserved until
-                # prefill acknowledges (nothing more is coming) or the timeout passes once more.
-                self.quarantine[room] = (req, now + timeout)
-                self._abort(req, reason, "kv_transfer_timeout", status=504, release=False)
-            else:
-                # The faulty engine frees the pages at once; a late transfer can still land in them.
-                self._abort(req, reason, "kv_transfer_timeout", status=504)
+            self._fail_transfer(req, reason, "kv_transfer_timeout", status=504)
         for room in [r for r, (_, until) in self.quarantine.items() if now > until]:
             self._release(self.quarantine.pop(room)[0])
+
+    def _fail_transfer(self, req: Request, reason: str, code: str, status: int = 502) -> None:
+        """Fail a request whose transfer went wrong while more of its page data may still come."""
+        room = req.room or 0
+        self.transfer.pop(room, None)
+        self.transfer_since.pop(room, None)
+        self.received.pop(room, None)
+        if self.fixes.deferred_release:
+            # Fix `deferred-release`: fail the request now, but keep its pages reserved until
+            # prefill acknowledges (nothing more is coming) or the timeout passes once more.
+            self.quarantine[room] = (req, time.time() + self.cfg.release_timeout_s)
+            self._abort(req, reason, code, status, release=False)
+        else:
+            # The faulty engine frees the pages at once; a late transfer can still land in them.
+            self._abort(req, reason, code, status)
+
+    def _dropped(self, msg: TransferBegin, reason: str) -> None:
+        """Trace page data that was received but written nowhere."""
+        writer, tenant = self.rooms.get(msg.room, (f"room-{msg.room}", "?"))
+        self.trace.emit(
+            "dropped", writer, tenant, msg.dst_pages, message="page data", room=msg.room, reason=reason
+        )
 
     def fail_all(self, reason: str) -> None:
         """Abort every request this role holds (after an internal error), pages back to the pool."""
@@ -195,12 +265,14 @@ class DecodeScheduler:
         self.bootstrapping.clear()
         self.prealloc.clear()
         self.transfer.clear()
+        self.received.clear()
         self.running.clear()
         for req in live:
             if not req.finished():
                 self._abort(req, reason, "internal_error")
 
     def on_abort(self, msg: Abort) -> None:
+        self.received.pop(msg.room, None)
         req = self.bootstrapping.pop(msg.room, None) or self.transfer.pop(msg.room, None)
         if req is None:
             for r in [r for r in self.prealloc if r.room == msg.room]:
@@ -212,6 +284,10 @@ class DecodeScheduler:
                 self._generators.pop(msg.room, None)
                 req = r
         if req is None:
+            if msg.room not in self.rooms:  # it overtook the request itself: keep it for then
+                self._early_aborts[msg.room] = msg
+                while len(self._early_aborts) > 10_000:
+                    del self._early_aborts[next(iter(self._early_aborts))]
             return
         self._release(req)
         req.finish(Outcome.ABORTED, self.trace, msg.reason)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from minigrid_engine.config import ServeConfig
-from minigrid_engine.faults import parse_faults
+from minigrid_engine.faults import FAULTS, NORMAL_STEPS, STEPS, Fault, parse_faults, take
 from minigrid_engine.messages import (
     Abort,
     Bootstrapped,
@@ -52,10 +52,13 @@ class TransferJob:
     begin: TransferBegin | None
     done: TransferDone | None
     deadline: float = float("inf")  # with `deferred-release`: not started after this, never sent
-    delay_s: float = 0.0  # injected faults
-    drop_done: bool = False
-    duplicate_done: bool = False
+    delay_s: float = 0.0  # the sender holds the job this long (the scheduler holds injected delays)
+    steps: tuple[str, ...] = NORMAL_STEPS  # "data" (begin + page data), "done"; faults change it
     ack_only: bool = False  # no data: send AbortAck(room) once everything before it has gone out
+
+    @property
+    def sends_data(self) -> bool:
+        return "data" in self.steps
 
 
 class PrefillScheduler:
@@ -81,8 +84,12 @@ class PrefillScheduler:
         self.transfers: deque[TransferJob] = deque()  # drained by the worker's sender
         self.sending: dict[int, Request] = {}
         self.counters = {"prefilled": 0, "stubbed": 0, "rejected": 0, "transfers": 0, "aborted": 0}
-        self.faults = list(parse_faults(cfg.inject))
+        self.faults = list(parse_faults(cfg.inject, tenants=cfg.tenants))
         self.cancelled: set[int] = set()  # rooms decode gave up on (read by the sender thread)
+        self.ended: dict[int, None] = {}  # recent rooms failed here (prefill-error), oldest first
+        # Injected faults hold jobs here, not in the sender, so an abort can still take them back.
+        self.held: list[tuple[float, TransferJob]] = []  # (due, job): delay-transfer, delay-done
+        self.overtaken: tuple[float, TransferJob] | None = None  # reorder-transfer: (latest, job)
 
     # -- messages ------------------------------------------------------------------------
     def on_generate(self, msg: GenerateRequest) -> None:
@@ -99,6 +106,8 @@ class PrefillScheduler:
         self.bootstrap_queue.append(req)
 
     def on_kv_bootstrap(self, msg: KVBootstrap) -> None:
+        if msg.room in self.ended:  # the room failed here before decode's page list came
+            return
         self.decode_pages[msg.room] = msg
 
     def on_abort(self, msg: Abort) -> None:
@@ -115,6 +124,7 @@ class PrefillScheduler:
             # Fix `deferred-release`: cancel whatever is still queued for the room, then tell decode,
             # behind every earlier message, that nothing more will come: it may free the pages.
             self.cancelled.add(msg.room)
+            self._drop_held(msg.room, msg.reason)
             self.transfers.append(TransferJob(msg.room, [], None, None, ack_only=True))
 
     def fail_all(self, reason: str) -> None:
@@ -173,10 +183,18 @@ class PrefillScheduler:
         busy = self._bootstrap()
         busy |= self._prefill()
         busy |= self._send()
+        busy |= self._release_held()
         return busy
 
     def idle(self) -> bool:
-        return not (self.bootstrap_queue or self.waiting or self.inflight or self.sending)
+        return not (
+            self.bootstrap_queue
+            or self.waiting
+            or self.inflight
+            or self.sending
+            or self.held
+            or self.overtaken
+        )
 
     def _bootstrap(self) -> bool:
         moved = False
@@ -219,7 +237,18 @@ class PrefillScheduler:
                 continue
             res = self.pool.reserve(req.request_id, req.tenant, req.prompt_len)
             req.advance(State.PREFILLING, self.trace, role="prefill")
-            logits = self.runner.prefill(req.request_id, req.tenant, req.prompt_ids, res.pages)
+            try:
+                fault = take(self.faults, req.tenant, ["prefill-error"])
+                if fault is not None:
+                    self.trace.emit("fault", req.request_id, req.tenant, (), fault=str(fault), room=req.room)
+                    raise RuntimeError(f"injected fault {fault}")
+                logits = self.runner.prefill(req.request_id, req.tenant, req.prompt_ids, res.pages)
+            except Exception as exc:  # this request fails; the worker and every other request go on
+                self._fail(
+                    req, f"prefill failed while computing {req.request_id}: {type(exc).__name__}: {exc}"
+                )
+                done = True
+                continue
             gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
             first = sample(logits, req.temperature, gen)
             req.output_ids.append(first)
@@ -251,25 +280,82 @@ class PrefillScheduler:
                 # Fix `deferred-release`: a transfer is bounded: it starts within the release
                 # timeout decode applies, or not at all.
                 job.deadline = time.time() + self.cfg.release_timeout_s
-            self._inject(job)
-            self.transfers.append(job)
             self.sending[room] = req
+            self._queue(job, req.tenant)
             self.counters["transfers"] += 1
             sent = True
         return sent
 
-    def _inject(self, job: TransferJob) -> None:
-        """Apply the next pending injected fault (if any) to this transfer."""
-        if not self.faults:
-            return
-        fault = self.faults.pop(0)
+    # -- injected faults (faults.py) -----------------------------------------------------
+    def _queue(self, job: TransferJob, tenant: str) -> None:
+        """Hand `job` to the sender, after applying the next injected fault that hits `tenant`."""
+        fault = take(self.faults, tenant, (f for f in FAULTS if f != "prefill-error"))
+        if fault is not None:
+            self.trace.emit("fault", None, tenant, (), fault=str(fault), room=job.room)
+            if self._apply(fault, job):
+                return
+        self.transfers.append(job)
+        if self.overtaken is not None:  # reorder-transfer: the held job goes out after this one
+            self.transfers.append(self.overtaken[1])
+            self.overtaken = None
+
+    def _apply(self, fault: Fault, job: TransferJob) -> bool:
+        """Change `job` as `fault` says; True when the fault holds the job back for now."""
+        now = time.time()
         if fault.name == "delay-transfer":
-            job.delay_s = fault.seconds
-        elif fault.name == "drop-done":
-            job.drop_done = True
-        elif fault.name == "duplicate-done":
-            job.duplicate_done = True
-        self.trace.emit("fault", None, None, (), fault=str(fault), room=job.room)
+            self.held.append((now + fault.seconds, job))
+            return True
+        if fault.name == "delay-done":  # the data now, the done message alone later
+            assert job.done is not None
+            later = TransferJob(job.room, [], job.begin, job.done, job.deadline, steps=("done",))
+            self.held.append((now + fault.seconds, later))
+            job.steps = ("data",)
+        elif fault.name == "reorder-transfer":
+            # Held until the next transfer has gone first; alone, for half the release timeout.
+            self.overtaken = (now + self.cfg.release_timeout_s / 2, job)
+            return True
+        else:
+            job.steps = STEPS[fault.name]
+        return False
+
+    def _release_held(self) -> bool:
+        """Send what an injected delay held back, once it is due."""
+        now = time.time()
+        due = [job for when, job in self.held if when <= now]
+        self.held = [(when, job) for when, job in self.held if when > now]
+        if self.overtaken is not None and self.overtaken[0] <= now:
+            due.append(self.overtaken[1])
+            self.overtaken = None
+        self.transfers.extend(due)
+        return bool(due)
+
+    def _drop_held(self, room: int, reason: str) -> None:
+        """The room was aborted: a job the faults still hold never reaches the sender, and the
+        pages it would have sent from come back here (the sender never saw them)."""
+        jobs = [job for _, job in self.held if job.room == room]
+        self.held = [(when, job) for when, job in self.held if job.room != room]
+        if self.overtaken is not None and self.overtaken[1].room == room:
+            jobs.append(self.overtaken[1])
+            self.overtaken = None
+        if any(job.sends_data for job in jobs):
+            req = self.sending.pop(room, None)
+            if req is not None:
+                self._release(req)
+                if not req.finished():
+                    req.finish(Outcome.ABORTED, self.trace, reason)
+
+    def _fail(self, req: Request, reason: str) -> None:
+        """One request failed inside this role: its pages back, decode and the client told."""
+        self._release(req)
+        req.finish(Outcome.ABORTED, self.trace, reason)
+        self.counters["aborted"] += 1
+        self.ended[req.room or 0] = None
+        while len(self.ended) > 10_000:
+            del self.ended[next(iter(self.ended))]
+        self.decode_pages.pop(req.room or 0, None)
+        abort = Abort(req.room or 0, reason, 500, "prefill_failed", "prefill")
+        self.send_decode(abort)
+        self.send_router(abort)
 
     def _release(self, req: Request) -> None:
         if self.pool.holds(req.request_id):

@@ -214,12 +214,12 @@ class Worker:
             decode = self.peers.of(job.room)
             peer = self.peers.conns[decode]
             with peer.lock:
-                peer.conn.send(job.begin)
-                self.transport.send(data, self.peers.ranks[decode])
-                if not job.drop_done:
-                    peer.conn.send(job.done)
-                if job.duplicate_done:
-                    peer.conn.send(job.done)
+                for step in job.steps:  # "data", "done"; an injected fault reorders or drops (faults.py)
+                    if step == "data":
+                        peer.conn.send(job.begin)
+                        self.transport.send(data, self.peers.ranks[decode])
+                    else:
+                        peer.conn.send(job.done)
 
     # -- messages ------------------------------------------------------------------------
     def handle(self, msg: Any, peer: str | None) -> None:
