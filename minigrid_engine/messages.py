@@ -111,6 +111,23 @@ class Result:
     error_type: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
+    @classmethod
+    def failed(
+        cls, room: int, status: int, code: str, message: str, request_id: str = "", tenant: str = ""
+    ) -> Result:
+        """A request that ends in an error: a 4xx is the client's, a 5xx the server's."""
+        error_type = "invalid_request_error" if status < 500 else "server_error"
+        return cls(
+            room,
+            request_id,
+            tenant,
+            status,
+            finish_reason="error",
+            error=message,
+            code=code,
+            error_type=error_type,
+        )
+
 
 @dataclass(frozen=True)
 class Ready:

@@ -455,18 +455,7 @@ class Router:
             if isinstance(msg, Result):
                 self._resolve(msg)
             elif isinstance(msg, Abort):
-                self._resolve(
-                    Result(
-                        msg.room,
-                        "",
-                        "",
-                        msg.status,
-                        finish_reason="error",
-                        error=msg.reason,
-                        code=msg.code,
-                        error_type="invalid_request_error" if msg.status < 500 else "server_error",
-                    )
-                )
+                self._resolve(Result.failed(msg.room, msg.status, msg.code, msg.reason))
             elif isinstance(msg, QueryReply):
                 with self._plock:
                     slot = self._queries.get(msg.qid)
@@ -498,18 +487,7 @@ class Router:
                 if partner != worker:
                     with contextlib.suppress(ConnectionError, OSError):
                         self.workers[partner].send(Abort(room, reason, 503, "worker_unavailable", "router"))
-            self._resolve(
-                Result(
-                    room,
-                    "",
-                    "",
-                    503,
-                    finish_reason="error",
-                    error=reason,
-                    code="worker_unavailable",
-                    error_type="server_error",
-                )
-            )
+            self._resolve(Result.failed(room, 503, "worker_unavailable", reason))
 
     # -- failures and restarts (recovery.py) ------------------------------------------------
     def _worker_died(self, link: WorkerLink) -> None:
@@ -594,18 +572,7 @@ class Router:
                 )
             else:
                 code, message = "engine_down", f"the engine is down after {r.cause}; {then}"
-            self._resolve(
-                Result(
-                    room,
-                    "",
-                    "",
-                    503,
-                    finish_reason="error",
-                    error=message,
-                    code=code,
-                    error_type="server_error",
-                )
-            )
+            self._resolve(Result.failed(room, 503, code, message))
 
     def refusal(self) -> tuple[str, str] | None:
         """(code, message) for a request while the engine restarts or is down, else None."""
@@ -877,30 +844,12 @@ class Router:
             for link in links:
                 link.send(msg)
         except _Refused as exc:
-            return Result(
-                room,
-                request_id,
-                tenant,
-                503,
-                finish_reason="error",
-                error=exc.message,
-                code=exc.code,
-                error_type="server_error",
-            )
+            return Result.failed(room, 503, exc.code, exc.message, request_id, tenant)
         except (ConnectionError, OSError) as exc:
             with self._plock:
                 if self._pending.pop(room, None) is not None:
                     self.pairing.done(room)
-            return Result(
-                room,
-                request_id,
-                tenant,
-                503,
-                finish_reason="error",
-                error=str(exc),
-                code="worker_unavailable",
-                error_type="server_error",
-            )
+            return Result.failed(room, 503, "worker_unavailable", str(exc), request_id, tenant)
         try:
             return await fut
         except asyncio.CancelledError:  # the client went away: tell the workers
