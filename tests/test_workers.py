@@ -191,19 +191,17 @@ def test_each_fix_holds_on_2x2_as_on_1x1(fixes: str, status: int, code: str) -> 
 
 
 @pytest.mark.parametrize("fixes", ["none", "deferred-release"])
-def test_deferred_release_with_two_decode_workers(fixes: str) -> None:
+def test_deferred_release_on_2x2(fixes: str) -> None:
     """carol's late transfer lands in pages of the alice request on the same decode worker (bug),
-    or nowhere (fix); two alice requests at once put one on each decode worker.
+    or nowhere (fix); two alice requests at once put one on each pair.
 
-    One prefill worker, not two: an injected delay holds the first transfer of *each* prefill
-    worker, so with two the alice request paired with the second one was held past the release
-    timeout too (504), whatever the timeouts."""
+    The delay is aimed at carol (``@carol``): each prefill worker holds the injection list, and an
+    untargeted delay would hold the first transfer of the alice request on the other pair too."""
     cfg = corrected_preset(
         release_timeout_s=2.0,
-        inject=("delay-transfer=2.6",),
+        inject=("delay-transfer=2.6@carol",),
         tenants={"alice": "sk-alice", "carol": "sk-carol"},
-        prefill_workers=1,
-        decode_workers=2,
+        **TWO_BY_TWO,
     )
     with Engine.start(cfg, fixes=fixes) as eng:
         rep = run_late_transfer(eng, context_length=cfg.context_length, seed=4, victims=2)
