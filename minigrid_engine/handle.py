@@ -196,13 +196,8 @@ class Engine:
 
     def stop(self, timeout_s: float = 15) -> None:
         """Stop all three processes (SIGTERM, then SIGKILL after `timeout_s`)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout_s)
         self.http.close()
 
     def __enter__(self) -> Engine:
@@ -334,6 +329,17 @@ class Engine:
     def pages_read_by(self, request_id: str) -> Iterator[dict[str, Any]]:
         """Decode pages the request's attention read, with who last wrote each before it."""
         yield from pages_read(self.trace()["decode"], request_id)
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 15) -> None:
+    """SIGTERM `proc` if it still runs, then SIGKILL it after `timeout_s`; reaped either way."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _flags(cfg: ServeConfig) -> list[str]:

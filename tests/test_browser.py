@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
+from minigrid_engine.handle import stop_process
 from widgets.pool_view import NEVER, tenant_colours
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,12 +143,7 @@ def jupyterlab(tmp_path: Path) -> Iterator[Lab]:
         print(f"JupyterLab up in {time.monotonic() - deadline + 90:.1f} s")
         yield Lab(url, token, root, log)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 20)
 
 
 # Runs in the page: the open notebook panel, through the app that --expose-app-in-browser gives.

@@ -21,7 +21,7 @@ import pytest
 from minigrid_engine import router as router_module
 from minigrid_engine.config import incident_preset
 from minigrid_engine.errors import ConfigError
-from minigrid_engine.handle import Engine, Reply
+from minigrid_engine.handle import Engine, Reply, stop_process
 from minigrid_engine.records import record_prompt
 from minigrid_engine.recovery import Recovery, Status, WorkerFailure
 from minigrid_engine.router import Router, free_port
@@ -306,10 +306,5 @@ def test_a_worker_from_another_host_is_not_restarted_and_the_engine_says_so(tmp_
         eng.http.close()
     finally:
         for p in (worker, serve):
-            p.terminate()
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            stop_process(p)
         log.close()

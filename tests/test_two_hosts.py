@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from minigrid_engine.handle import stop_process
 from minigrid_engine.model import ModelConfig
 from minigrid_engine.router import free_port
 
@@ -174,13 +175,9 @@ def test_prefill_and_decode_on_two_hosts(hosts: Hosts, fixes: str, tmp_path: Pat
         got = json.loads(client.stdout.strip().splitlines()[-1])
     finally:
         for p in procs:
-            p.terminate()
+            p.terminate()  # all at once, then each reaped
         for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            stop_process(p)
         router_log.close()
         worker_log.close()
     decode = got["health"]["workers"]["decode"]
