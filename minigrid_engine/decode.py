@@ -33,6 +33,7 @@ from minigrid_engine.messages import (
     GenerateRequest,
     KVBootstrap,
     Result,
+    Tokens,
     TransferBegin,
     TransferDone,
 )
@@ -91,6 +92,8 @@ class DecodeScheduler:
             msg.temperature,
             msg.seed,
             room=msg.room,
+            stop=msg.stop,
+            stream=msg.stream,
         )
         req.advance(State.BOOTSTRAPPING, self.trace, role="decode")
         self.bootstrapping[msg.room] = req
@@ -209,6 +212,7 @@ class DecodeScheduler:
         req.first_token_at = time.time()
         req.advance(State.DECODING, self.trace, role="decode", kv_len=req.prompt_len)
         self.running.append(req)
+        self._stream([req])
         self._retire()
 
     def _bad_pages(self, req: Request, checksums: list[int] | None) -> list[int]:
@@ -341,7 +345,14 @@ class DecodeScheduler:
                 continue
             r.output_ids.append(sample(row, r.temperature, self._generator(r)))
         self.counters["decoded_tokens"] += len(batch)
+        self._stream(batch)
         self._retire()
+
+    def _stream(self, batch: list[Request]) -> None:
+        """Each streamed request's newest token goes to the router as it is made."""
+        for r in batch:
+            if r.stream and not r.finished():
+                self.send_router(Tokens(r.room or 0, r.output_ids[-1:]))
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.temperature <= 0:
@@ -352,11 +363,17 @@ class DecodeScheduler:
         return self._generators[room]
 
     def _retire(self) -> None:
-        for r in [r for r in self.running if len(r.output_ids) >= r.max_tokens]:
+        for r in list(self.running):
+            if r.cut_at_stop():
+                outcome = Outcome.STOP
+            elif len(r.output_ids) >= r.max_tokens:
+                outcome = Outcome.LENGTH
+            else:
+                continue
             self.running.remove(r)
             self._release(r)
             self._generators.pop(r.room or 0, None)
-            r.finish(Outcome.LENGTH, self.trace)
+            r.finish(outcome, self.trace)
             self.counters["completed"] += 1
             self.send_router(
                 Result(
@@ -366,7 +383,7 @@ class DecodeScheduler:
                     200,
                     list(r.output_ids),
                     r.prompt_len,
-                    "length",
+                    outcome.value,
                     timings={
                         "ttft_s": (r.first_token_at or r.created_at) - r.created_at,
                         "latency_s": (r.finished_at or time.time()) - r.created_at,

@@ -10,6 +10,7 @@ The handshake of one request, as in SGLang's disaggregated mode::
     prefill --Bootstrapped----->  decode                 (prefill's bootstrap queue admitted it)
     decode  --KVBootstrap------>  prefill                (the decode pages to fill)
     prefill --TransferBegin + page data + TransferDone-->  decode
+    decode  --Tokens----------->  router                 (each decode step, when streamed)
     decode  --Result----------->  router
     anyone  --Abort------------>  the others             (a request that failed on the way)
 
@@ -38,6 +39,18 @@ class GenerateRequest:
     seed: int | None = None
     prefill: str = "prefill-0"  # the pair the router chose for this room
     decode: str = "decode-0"
+    stop: tuple[tuple[int, ...], ...] = ()  # stop sequences (token ids): decode ends the request there
+    stream: bool = False  # decode sends each new token to the router as a `Tokens`
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Decode to router, for a streamed request: the tokens decoded since the last `Tokens`.
+
+    A preview: the `Result` that follows is the request's answer (cut at its stop sequence)."""
+
+    room: int
+    ids: list[int]
 
 
 @dataclass(frozen=True)

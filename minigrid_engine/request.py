@@ -81,10 +81,23 @@ class Request:
     created_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
     finished_at: float | None = None
+    stop: tuple[tuple[int, ...], ...] = ()  # stop sequences, as token ids
+    stream: bool = False  # the client reads tokens as they come
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    def cut_at_stop(self) -> bool:
+        """If the output now ends with a stop sequence, cut it off and say so.
+
+        Called after every new token, so a match can only be at the end. The stop text is not
+        part of the answer (as in OpenAI's API)."""
+        for s in self.stop:
+            if len(self.output_ids) >= len(s) and tuple(self.output_ids[-len(s) :]) == s:
+                del self.output_ids[-len(s) :]
+                return True
+        return False
 
     def finished(self) -> bool:
         """True once an outcome is set. Like SGLang's `Req.finished()`: blind to `pending_finish`."""

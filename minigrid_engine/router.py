@@ -25,17 +25,19 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minigrid_engine import openai_api as oai
 from minigrid_engine.config import MODEL_ID, ROLES, ServeConfig
 from minigrid_engine.errors import ConfigError, MinigridError
 from minigrid_engine.fixes import BUILT, FIXES, Fixes, parse_fixes
@@ -50,7 +52,9 @@ from minigrid_engine.messages import (
     Result,
     SetFixes,
     Shutdown,
+    Tokens,
 )
+from minigrid_engine.openai_api import BadRequest, Sampling
 from minigrid_engine.pairing import Pairing
 from minigrid_engine.recovery import Recovery, Status, WorkerFailure
 from minigrid_engine.tokenizer import ByteTokenizer
@@ -61,16 +65,6 @@ REMOTE_WAIT_S = 600  # how long the router waits for a worker started by hand on
 PORT_TRIES = 4  # starts on fresh ports when one the workers were given was taken meanwhile
 STOP_GRACE_S = 2.0  # how long a restart lets the survivors stop before it kills them
 MAX_BODY_BYTES = 4 * 2**20
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes (decode adds 1)
-
-
-def _shown(value: Any, limit: int = 60) -> str:
-    """`value` as JSON for an error message, cut short: a hostile body is never echoed whole."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError, RecursionError):
-        text = type(value).__name__
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _recv(conn: Connection) -> object:
@@ -112,14 +106,6 @@ def api_error(
         status_code=status,
         headers=headers,
     )
-
-
-class BadRequest(Exception):
-    def __init__(
-        self, message: str, code: str = "invalid_request", param: str | None = None, status: int = 400
-    ):
-        super().__init__(message)
-        self.message, self.code, self.param, self.status = message, code, param, status
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
@@ -260,12 +246,14 @@ class Router:
         self.cfg = cfg
         self.authkey = authkey  # shared with workers on other hosts; None: a fresh one per start
         self.tokenizer = ByteTokenizer()
+        self.bodies = oai.Bodies(cfg.context_length, self.tokenizer)
         self.admin_key = cfg.admin_key or os.environ.get("MINIGRID_ADMIN_KEY")
         self.workers: dict[str, WorkerLink] = {}  # by worker id: prefill-0, decode-1...
         self.pairing = Pairing({role: cfg.workers(role) for role in ROLES})
         self._rooms = itertools.count(1)
         self._qids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Result]]] = {}
+        self._streams: dict[int, asyncio.Queue[list[int]]] = {}  # streamed rooms: their new tokens
         self._queries: dict[int, tuple[threading.Event, list[Any]]] = {}
         self._plock = threading.Lock()
         self.started_at = time.time()
@@ -452,7 +440,9 @@ class Router:
                 log.error("%s", link.dead_reason)
                 self._worker_died(link)
                 return
-            if isinstance(msg, Result):
+            if isinstance(msg, Tokens):
+                self._stream(msg)
+            elif isinstance(msg, Result):
                 self._resolve(msg)
             elif isinstance(msg, Abort):
                 self._resolve(Result.failed(msg.room, msg.status, msg.code, msg.reason))
@@ -463,11 +453,24 @@ class Router:
                     slot[1].append(msg.data)
                     slot[0].set()
 
+    def _stream(self, msg: Tokens) -> None:
+        with self._plock:
+            entry = self._pending.get(msg.room)
+            tokens = self._streams.get(msg.room)
+        if entry is not None and tokens is not None:
+            entry[0].call_soon_threadsafe(tokens.put_nowait, msg.ids)
+
+    def _forget(self, room: int) -> tuple[asyncio.AbstractEventLoop, asyncio.Future[Result]] | None:
+        """Take `room` out of the books (under `_plock`): it is answered, or nobody waits for it."""
+        entry = self._pending.pop(room, None)
+        self._streams.pop(room, None)
+        if entry is not None:
+            self.pairing.done(room)
+        return entry
+
     def _resolve(self, result: Result) -> None:
         with self._plock:
-            entry = self._pending.pop(result.room, None)
-            if entry is not None:
-                self.pairing.done(result.room)
+            entry = self._forget(result.room)
         if entry is None:
             return
         loop, fut = entry
@@ -728,103 +731,20 @@ class Router:
             found = found or "admin"
         return found
 
-    def parse_completion(self, body: Any) -> tuple[list[int], int, float, int | None]:
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        if "model" in body and body["model"] != MODEL_ID:
-            raise BadRequest(
-                f"the model {_shown(body['model'])} does not exist; this server serves {MODEL_ID!r}",
-                "model_not_found",
-                "model",
-                404,
-            )
-        if "prompt" not in body:
-            raise BadRequest("'prompt' is required", "missing_required_parameter", "prompt")
-        ids = self.prompt_ids(body["prompt"])
-        max_tokens = body.get("max_tokens", 16)
-        if max_tokens is None:
-            max_tokens = 16
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise BadRequest(
-                f"'max_tokens' must be an integer, got {_shown(max_tokens)}", "invalid_type", "max_tokens"
-            )
-        if max_tokens < 1:
-            raise BadRequest(
-                f"'max_tokens' must be at least 1, got {_shown(max_tokens)}", "invalid_value", "max_tokens"
-            )
-        temperature = body.get("temperature", 0)
-        if temperature is None:
-            temperature = 0
-        if (
-            isinstance(temperature, bool)
-            or not isinstance(temperature, (int, float))
-            or not 0 <= temperature <= 2
-        ):
-            raise BadRequest(
-                f"'temperature' must be a number from 0 to 2, got {_shown(temperature)}",
-                "invalid_value",
-                "temperature",
-            )
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise BadRequest(f"'seed' must be an integer, got {_shown(seed)}", "invalid_type", "seed")
-        if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
-            # Out of range, torch.Generator raises inside the workers: refuse it here instead.
-            raise BadRequest(
-                f"'seed' must be a 64-bit signed integer, got {_shown(seed)}", "invalid_value", "seed"
-            )
-        stream = body.get("stream")
-        if stream is not None and not isinstance(stream, bool):
-            raise BadRequest(f"'stream' must be a boolean, got {_shown(stream)}", "invalid_type", "stream")
-        if stream:
-            raise BadRequest("streaming is not supported by minigrid", "unsupported_parameter", "stream")
-        n = body.get("n")
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
-            raise BadRequest(f"'n' must be an integer, got {_shown(n)}", "invalid_type", "n")
-        if n not in (None, 1):
-            raise BadRequest("'n' must be 1", "unsupported_parameter", "n")
-        total = len(ids) + max_tokens
-        if total > self.cfg.context_length:
-            raise BadRequest(
-                f"This model's maximum context length is {self.cfg.context_length} tokens. However, you "
-                f"requested {total} tokens ({len(ids)} in the prompt, {max_tokens} for the completion).",
-                "context_length_exceeded",
-                "prompt",
-            )
-        return ids, max_tokens, float(temperature), seed
-
-    def prompt_ids(self, prompt: Any) -> list[int]:
-        """Token ids of an OpenAI `prompt`: a string, token ids, or a batch of exactly one of those."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            if not prompt:
-                raise BadRequest("'prompt' is an empty list of token ids", "invalid_prompt", "prompt")
-            vocab = self.tokenizer.vocab_size
-            for i, t in enumerate(prompt):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise BadRequest(
-                        f"'prompt' holds {_shown(t)} at index {i}: token ids are integers from 0 to "
-                        f"{vocab - 1}, and one prompt per request",
-                        "invalid_type",
-                        "prompt",
-                    )
-            return list(prompt)
-        if not isinstance(prompt, str):
-            raise BadRequest(
-                "'prompt' must be a string or a list of token ids (one prompt per request)",
-                "invalid_type",
-                "prompt",
-            )
-        try:
-            return self.tokenizer.encode(prompt)
-        except MinigridError as exc:
-            raise BadRequest(str(exc), "invalid_prompt", "prompt") from None
+    def next_room(self) -> int:
+        """A fresh bootstrap room: the id of one request across the router and both workers."""
+        return next(self._rooms)
 
     async def complete(
-        self, tenant: str, ids: list[int], max_tokens: int, temperature: float, seed: int | None
+        self,
+        tenant: str,
+        ask: Sampling,
+        tokens: asyncio.Queue[list[int]] | None = None,
+        room: int | None = None,
     ) -> Result:
-        room = next(self._rooms)
+        """Send one request to a prefill/decode pair and wait for its `Result`. With `tokens`
+        (a streamed request), each `Tokens` decode sends is put there as it comes."""
+        room = self.next_room() if room is None else room
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Result] = loop.create_future()
         request_id = f"{tenant}-{room}"
@@ -838,8 +758,20 @@ class Router:
                 pair = self.pairing.pair(room, alive)  # the bootstrap room's prefill and decode
                 links = [self.workers[w] for w in pair]
                 self._pending[room] = (loop, fut)
+                if tokens is not None:
+                    self._streams[room] = tokens
             msg = GenerateRequest(
-                room, request_id, tenant, ids, max_tokens, temperature, seed, prefill=pair[0], decode=pair[1]
+                room,
+                request_id,
+                tenant,
+                ask.prompt_ids,
+                ask.max_tokens,
+                ask.temperature,
+                ask.seed,
+                prefill=pair[0],
+                decode=pair[1],
+                stop=ask.stop,
+                stream=tokens is not None,
             )
             for link in links:
                 link.send(msg)
@@ -847,15 +779,13 @@ class Router:
             return Result.failed(room, 503, exc.code, exc.message, request_id, tenant)
         except (ConnectionError, OSError) as exc:
             with self._plock:
-                if self._pending.pop(room, None) is not None:
-                    self.pairing.done(room)
+                self._forget(room)
             return Result.failed(room, 503, "worker_unavailable", str(exc), request_id, tenant)
         try:
             return await fut
         except asyncio.CancelledError:  # the client went away: tell the workers
             with self._plock:
-                if self._pending.pop(room, None) is not None:
-                    self.pairing.done(room)
+                self._forget(room)
             for link in links:
                 with contextlib.suppress(ConnectionError, OSError):
                     link.send(Abort(room, "client disconnected", 499, "client_closed", "router"))
@@ -909,8 +839,8 @@ class Router:
                 "invalid_api_key",
             )
 
-        @app.post("/v1/completions")
-        async def completions(request: Request) -> Response:
+        async def answer(request: Request, kind: str) -> Response:
+            """`/v1/completions` (kind TEXT) and `/v1/chat/completions` (kind CHAT)."""
             tenant = router.tenant_of(request.headers.get("authorization"))
             if tenant is None:
                 router.requests_total.labels("unauthorized").inc()
@@ -921,7 +851,7 @@ class Router:
                     body = json.loads(raw)
                 except (ValueError, RecursionError):
                     raise BadRequest("the request body is not valid JSON", "invalid_json") from None
-                ids, max_tokens, temperature, seed = router.parse_completion(body)
+                ask = router.bodies.chat(body) if kind == oai.CHAT else router.bodies.completion(body)
             except BadRequest as exc:
                 router.requests_total.labels("invalid").inc()
                 return api_error(exc.status, exc.message, "invalid_request_error", exc.code, exc.param)
@@ -929,55 +859,118 @@ class Router:
             if refusal is not None:
                 router.requests_total.labels("unavailable").inc()
                 return busy(*refusal)
+            room = router.next_room()
+            tokens: asyncio.Queue[list[int]] | None = asyncio.Queue() if ask.stream else None
+            work = asyncio.ensure_future(router.complete(tenant, ask, tokens, room))
+            # A streamed request answers 200 once its first token is there; an error before that
+            # (a rejection, a failed transfer) is still a plain 4xx/5xx.
+            first = asyncio.ensure_future(tokens.get()) if tokens is not None else None
             # uvicorn never cancels a handler whose client went away: watch for it, so that the
             # workers hear of it (Router.complete sends the Abort) instead of decoding for nobody.
-            work = asyncio.ensure_future(router.complete(tenant, ids, max_tokens, temperature, seed))
             gone = asyncio.ensure_future(until_disconnected(request))
+            waits: set[asyncio.Future[Any]] = {work, gone} if first is None else {work, gone, first}
             try:
-                await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                work.cancel()
+                raise
             finally:
                 gone.cancel()
-                if not work.done():
-                    work.cancel()
-            if not work.done() or work.cancelled():
+            if gone in done and not work.done():
+                work.cancel()
+                if first is not None:
+                    first.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await work
                 router.requests_total.labels("disconnected").inc()
                 return api_error(
                     499, "the client closed the connection", "invalid_request_error", "client_closed"
                 )
-            result = work.result()
-            if result.status != 200:
-                router.requests_total.labels("rejected" if result.status < 500 else "aborted").inc()
-                return api_error(
-                    result.status,
-                    result.error or "request failed",
-                    result.error_type or "server_error",
-                    result.code,
-                    headers=router.retry_headers(result.code) if result.status == 503 else None,
-                )
+            if work.done() and work.result().status != 200:
+                if first is not None:
+                    first.cancel()
+                return failure(work.result())
+            if tokens is None or first is None:
+                result = work.result()
+                answered(result)
+                text = router.tokenizer.decode(result.output_ids)
+                return JSONResponse(oai.response(kind, result, text, int(time.time())))
+            return StreamingResponse(
+                stream(kind, ask, f"{tenant}-{room}", work, tokens, first),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+
+        def failure(result: Result) -> JSONResponse:
+            router.requests_total.labels("rejected" if result.status < 500 else "aborted").inc()
+            return api_error(
+                result.status,
+                result.error or "request failed",
+                result.error_type or "server_error",
+                result.code,
+                headers=router.retry_headers(result.code) if result.status == 503 else None,
+            )
+
+        def answered(result: Result) -> None:
             router.requests_total.labels("ok").inc()
             ttft = result.timings.get("ttft_s")
             if ttft is not None:
                 router.ttft.observe(ttft)
-            text = router.tokenizer.decode(result.output_ids)
-            return JSONResponse(
-                {
-                    "id": f"cmpl-{result.request_id}",
-                    "object": "text_completion",
-                    "created": int(time.time()),
-                    "model": MODEL_ID,
-                    "choices": [
-                        {"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}
-                    ],
-                    "usage": {
-                        "prompt_tokens": result.prompt_tokens,
-                        "completion_tokens": len(result.output_ids),
-                        "total_tokens": result.prompt_tokens + len(result.output_ids),
-                    },
-                    "minigrid": {"request_id": result.request_id, "room": result.room, **result.timings},
-                }
-            )
+
+        async def stream(
+            kind: str,
+            ask: Sampling,
+            request_id: str,
+            work: asyncio.Future[Result],
+            tokens: asyncio.Queue[list[int]],
+            first: asyncio.Future[list[int]],
+        ) -> AsyncIterator[bytes]:
+            """Server-sent events: a delta per decoded token (held back where `TextStream` says),
+            then the finish, the usage if asked, `[DONE]`. A failure mid-stream is an error event."""
+            created = int(time.time())
+            text = oai.TextStream(ask.stop)
+            pending: asyncio.Future[list[int]] | None = first
+            try:
+                if kind == oai.CHAT:
+                    yield oai.sse(oai.chunk(kind, request_id, created, None))
+                while pending is not None:
+                    if not pending.done():
+                        both: set[asyncio.Future[Any]] = {pending, work}
+                        await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+                    if pending.done():
+                        delta = text.push(pending.result())
+                        if delta:
+                            yield oai.sse(oai.chunk(kind, request_id, created, delta))
+                        pending = asyncio.ensure_future(tokens.get())
+                    else:  # the Result is in: it has every token, cut at the stop
+                        pending.cancel()
+                        pending = None
+                result = work.result()
+                if result.status != 200:
+                    failure(result)
+                    error = {"message": result.error, "type": result.error_type, "param": None}
+                    yield oai.sse({"error": {**error, "code": result.code}})
+                else:
+                    answered(result)
+                    tail = text.finish(result.output_ids)
+                    yield oai.sse(oai.chunk(kind, request_id, created, tail or None, result.finish_reason))
+                    if ask.include_usage:
+                        yield oai.sse(oai.usage_chunk(kind, result, created))
+                yield oai.sse("[DONE]")
+            finally:
+                if pending is not None:
+                    pending.cancel()
+                if not work.done():  # the client left mid-stream
+                    work.cancel()
+                    router.requests_total.labels("disconnected").inc()
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await answer(request, oai.TEXT)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await answer(request, oai.CHAT)
 
         @app.get("/v1/models")
         async def models(request: Request) -> Response:
@@ -1052,7 +1045,7 @@ class Router:
                     spec = ",".join(spec)
                 if not isinstance(spec, str):
                     raise BadRequest(
-                        f'send {{"fixes": ...}} with {valid}; got {_shown(body)}', "invalid_value", "fixes"
+                        f'send {{"fixes": ...}} with {valid}; got {oai.shown(body)}', "invalid_value", "fixes"
                     )
                 try:
                     fixes = parse_fixes(spec)
@@ -1118,7 +1111,7 @@ class Router:
             if role is not None and role not in ROLES:
                 return api_error(
                     400,
-                    f"role {_shown(role)}: choose prefill or decode",
+                    f"role {oai.shown(role)}: choose prefill or decode",
                     "invalid_request_error",
                     "invalid_value",
                     "role",
@@ -1126,7 +1119,7 @@ class Router:
             if worker is not None and worker not in router.workers:
                 return api_error(
                     400,
-                    f"worker {_shown(worker)}: choose one of {', '.join(router.workers)}",
+                    f"worker {oai.shown(worker)}: choose one of {', '.join(router.workers)}",
                     "invalid_request_error",
                     "invalid_value",
                     "worker",

@@ -76,6 +76,7 @@ BODIES: dict[str, tuple[bytes, int, str, str | None]] = {
     "null": (b"null", 400, "invalid_request", None),
     "invalid utf-8": (b'{"prompt": "\xff\xfe ALICE"}', 400, "invalid_json", None),
     "lone surrogate": (b'{"prompt": "\\ud800"}', 400, "invalid_prompt", "prompt"),
+    "lone surrogate in stop": (b'{"prompt": "hi", "stop": "\\ud800"}', 400, "invalid_value", "stop"),
     "nested 100k": (nested(100_000), 400, "invalid_json", None),
     "nested 100k in prompt": (b'{"prompt": ' + nested(100_000) + b"}", 400, "invalid_json", None),
     "nested 900 in model": (
@@ -135,13 +136,83 @@ FIELDS: dict[str, tuple[Any, int, str, str | None]] = {
     "seed 2**64": ({"prompt": "hi", "seed": 2**64, "temperature": 0.7}, 400, "invalid_value", "seed"),
     "seed -2**63-1": ({"prompt": "hi", "seed": -(2**63) - 1}, 400, "invalid_value", "seed"),
     "seed float": ({"prompt": "hi", "seed": 1.5}, 400, "invalid_type", "seed"),
-    "stream true": ({"prompt": "hi", "stream": True}, 400, "unsupported_parameter", "stream"),
+    "stream_options without stream": (
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        400,
+        "invalid_value",
+        "stream_options",
+    ),
+    "stream_options list": (
+        {"prompt": "hi", "stream": True, "stream_options": [1]},
+        400,
+        "invalid_type",
+        None,
+    ),
+    "stop int": ({"prompt": "hi", "stop": 5}, 400, "invalid_type", "stop"),
+    "stop list of ints": ({"prompt": "hi", "stop": [10]}, 400, "invalid_type", "stop"),
+    "stop empty string": ({"prompt": "hi", "stop": ["x", ""]}, 400, "invalid_value", "stop"),
+    "stop 5 strings": ({"prompt": "hi", "stop": list("abcde")}, 400, "invalid_value", "stop"),
+    "stop too long": ({"prompt": "hi", "stop": "x" * 129}, 400, "invalid_value", "stop"),
     "stream 'false'": ({"prompt": "hi", "stream": "false"}, 400, "invalid_type", "stream"),
     "n 2": ({"prompt": "hi", "n": 2}, 400, "unsupported_parameter", "n"),
     "n true": ({"prompt": "hi", "n": True}, 400, "invalid_type", "n"),
     "unknown model": ({"prompt": "hi", "model": "gpt-5"}, 404, "model_not_found", "model"),
     "over the context": ({"prompt": "x" * 1020, "max_tokens": 16}, 400, "context_length_exceeded", "prompt"),
     "3 MB prompt": ({"prompt": "x" * 3 * 2**20}, 400, "context_length_exceeded", "prompt"),
+}
+
+# /v1/chat/completions: (JSON body, status, code, param)
+CHAT_FIELDS: dict[str, tuple[Any, int, str, str | None]] = {
+    "missing messages": ({"max_tokens": 4}, 400, "missing_required_parameter", "messages"),
+    "messages string": ({"messages": "hi"}, 400, "invalid_type", "messages"),
+    "messages empty": ({"messages": []}, 400, "invalid_type", "messages"),
+    "message not an object": ({"messages": ["hi"]}, 400, "invalid_type", "messages"),
+    "no role": ({"messages": [{"content": "hi"}]}, 400, "invalid_value", "messages"),
+    "role robot": ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "invalid_value", "messages"),
+    "content int": ({"messages": [{"role": "user", "content": 5}]}, 400, "invalid_type", "messages"),
+    "image part": (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "unsupported_content",
+        "messages",
+    ),
+    "text part without text": (
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        400,
+        "unsupported_content",
+        "messages",
+    ),
+    "only empty content": (
+        {"messages": [{"role": "user", "content": ""}]},
+        400,
+        "invalid_prompt",
+        "messages",
+    ),
+    "max_completion_tokens 0": (
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+        400,
+        "invalid_value",
+        "max_completion_tokens",
+    ),
+    "max_tokens string": (
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "4"},
+        400,
+        "invalid_type",
+        "max_tokens",
+    ),
+    "over the context": (
+        {"messages": [{"role": "user", "content": "x" * 1020}], "max_tokens": 16},
+        400,
+        "context_length_exceeded",
+        "messages",
+    ),
+    "n 3": ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "unsupported_parameter", "n"),
+    "unknown model": (
+        {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-5"},
+        404,
+        "model_not_found",
+        "model",
+    ),
 }
 
 # Authorization headers that must not get in (None: no header at all).
@@ -175,6 +246,12 @@ def test_hostile_bodies(http: httpx.Client, name: str) -> None:
 def test_hostile_fields(http: httpx.Client, name: str) -> None:
     body, status, code, param = FIELDS[name]
     assert_api_error(http.post("/v1/completions", json=body, headers=ALICE), status, code, param)
+
+
+@pytest.mark.parametrize("name", list(CHAT_FIELDS))
+def test_hostile_chat_fields(http: httpx.Client, name: str) -> None:
+    body, status, code, param = CHAT_FIELDS[name]
+    assert_api_error(http.post("/v1/chat/completions", json=body, headers=ALICE), status, code, param)
 
 
 def raw_request(engine: Engine, head: bytes, body: bytes = b"") -> tuple[int, dict[str, Any]]:
@@ -214,7 +291,8 @@ ROUTES = [
     ("DELETE", "/v1/completions", 405, "method_not_allowed"),
     ("POST", "/health", 405, "method_not_allowed"),
     ("POST", "/metrics", 405, "method_not_allowed"),
-    ("GET", "/v1/chat/completions", 404, "not_found"),
+    ("GET", "/v1/chat/completions", 405, "method_not_allowed"),
+    ("POST", "/v1/chat/completion", 404, "not_found"),
     ("POST", "/v1/completion", 404, "not_found"),
     ("GET", "/", 404, "not_found"),
     ("GET", "/v1/minigrid/../../etc/passwd", 404, "not_found"),
@@ -317,8 +395,29 @@ BODY = (
             "n": JSON,
             "stream": JSON,
             "model": st.just("minigrid-byte") | JSON,
-            "stop": JSON,
+            "stop": JSON | st.lists(st.text(max_size=3), max_size=5),
+            "stream_options": JSON,
             "logprobs": JSON,
+        },
+    )
+    | JSON
+)
+MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant"]) | JSON},
+        optional={"content": st.text(max_size=30) | JSON},
+    )
+    | JSON,
+    max_size=3,
+)
+CHAT_BODY = (
+    st.fixed_dictionaries(
+        {"max_tokens": MAX_TOKENS},
+        optional={
+            "messages": MESSAGES | JSON,
+            "stream": st.booleans() | JSON,
+            "stop": JSON,
+            "temperature": JSON,
         },
     )
     | JSON
@@ -327,18 +426,31 @@ BODY = (
 
 def _check_reply(r: httpx.Response) -> None:
     assert r.status_code < 500, r.text[:300]
-    if r.status_code == 200:
-        data = r.json()
-        assert isinstance(data["choices"][0]["text"], str)
-        assert data["usage"]["prompt_tokens"] >= 1
-    else:
+    if r.status_code != 200:
         assert_api_error(r, r.status_code)
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", r.text[-300:]
+        for data in map(json.loads, events[:-1]):
+            assert "error" not in data, data
+            assert data["choices"] or "usage" in data, data
+    else:
+        data = r.json()
+        choice = data["choices"][0]
+        assert isinstance(choice["text"] if "text" in choice else choice["message"]["content"], str)
+        assert data["usage"]["prompt_tokens"] >= 1
 
 
 @settings(max_examples=80, deadline=None, database=None)
 @given(body=BODY)
 def test_random_json_bodies_never_break_the_engine(http: httpx.Client, body: Any) -> None:
     _check_reply(http.post("/v1/completions", content=json.dumps(body).encode(), headers=ALICE))
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(body=CHAT_BODY)
+def test_random_chat_bodies_never_break_the_engine(http: httpx.Client, body: Any) -> None:
+    _check_reply(http.post("/v1/chat/completions", content=json.dumps(body).encode(), headers=ALICE))
 
 
 @settings(max_examples=40, deadline=None, database=None)
@@ -360,6 +472,28 @@ def test_a_client_that_leaves_frees_its_pages_at_once(engine: Engine) -> None:
                 )
 
     asyncio.run(leave())
+    assert wait_pages_free(engine, timeout_s=3), engine.metrics()  # 800 tokens would take ~10 s
+    ends = [
+        e for e in engine.trace()["decode"] if e["kind"] == "state" and e["detail"].get("to") == "finished"
+    ]
+    assert ends[-1]["detail"]["outcome"] == "aborted" and ends[-1]["detail"]["error"] == "client disconnected"
+
+
+def test_a_client_that_leaves_a_stream_frees_its_pages_at_once(engine: Engine) -> None:
+    """Mid-stream, the client reads two events and hangs up: decode stops, the pages go back."""
+    body = {"prompt": PROMPT, "max_tokens": 800, "stream": True}
+    with (
+        httpx.Client(base_url=engine.url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=body, headers=ALICE) as r,
+    ):
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        got = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got.append(json.loads(line[6:]))
+            if len(got) == 2:
+                break
+        assert [e["choices"][0]["finish_reason"] for e in got] == [None, None], got
     assert wait_pages_free(engine, timeout_s=3), engine.metrics()  # 800 tokens would take ~10 s
     ends = [
         e for e in engine.trace()["decode"] if e["kind"] == "state" and e["detail"].get("to") == "finished"

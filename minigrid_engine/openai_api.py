@@ -1,0 +1,400 @@
+"""The OpenAI wire format: request bodies in, response bodies and stream events out.
+
+Two endpoints share one path through the engine. `/v1/completions` takes a `prompt`;
+`/v1/chat/completions` takes `messages`, which `chat_prompt` turns into one prompt (the model has
+no chat tuning: it continues, and copies from, whatever it is given).
+Both bodies become one `Sampling`: the prompt's token ids and how to decode them, `stop` and
+`stream` included. Bad bodies raise `BadRequest`, which the router turns into an OpenAI-style 4xx.
+
+Streaming (`"stream": true`) sends server-sent events as decode produces tokens. `TextStream`
+decides what text is safe to send early: never half of a UTF-8 character, never the start of
+what could still become a stop sequence (the stop text is left out of the answer, as OpenAI does).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from minigrid_engine.config import MODEL_ID
+from minigrid_engine.errors import MinigridError
+from minigrid_engine.messages import Result
+from minigrid_engine.tokenizer import ByteTokenizer
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes (decode adds 1)
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses it too (the model never ends by itself)
+MAX_STOPS = 4  # as OpenAI
+MAX_STOP_TOKENS = 128
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class BadRequest(Exception):
+    def __init__(
+        self, message: str, code: str = "invalid_request", param: str | None = None, status: int = 400
+    ):
+        super().__init__(message)
+        self.message, self.code, self.param, self.status = message, code, param, status
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """`value` as JSON for an error message, cut short: a hostile body is never echoed whole."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One request once its body is checked: what to feed the model and how to decode."""
+
+    prompt_ids: list[int]
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0
+    seed: int | None = None
+    stop: tuple[tuple[int, ...], ...] = ()  # stop sequences as token ids
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last event with the usage
+
+
+def chat_prompt(messages: list[dict[str, str]]) -> str:
+    """The chat template: the messages' texts, one after the other, joined by newlines.
+
+    The model was never tuned to chat: it continues the text it ends on, copying from its context.
+    A role marker such as ``assistant:`` at the end sends it off course (measured: spaces, where
+    the plain transcript gets the records continued), so the answer continues the last message."""
+    return "\n".join(m["content"] for m in messages)
+
+
+class Bodies:
+    """Checks request bodies against the engine's context length and tokenizer."""
+
+    def __init__(self, context_length: int, tokenizer: ByteTokenizer) -> None:
+        self.context_length = context_length
+        self.tokenizer = tokenizer
+
+    # -- the two endpoints -----------------------------------------------------------------
+    def completion(self, body: Any) -> Sampling:
+        """A `/v1/completions` body."""
+        self._object(body)
+        if "prompt" not in body:
+            raise BadRequest("'prompt' is required", "missing_required_parameter", "prompt")
+        return self._sampling(body, self.prompt_ids(body["prompt"]), "max_tokens", "prompt")
+
+    def chat(self, body: Any) -> Sampling:
+        """A `/v1/chat/completions` body (`max_completion_tokens`, or the older `max_tokens`)."""
+        self._object(body)
+        if "messages" not in body:
+            raise BadRequest("'messages' is required", "missing_required_parameter", "messages")
+        prompt = chat_prompt(self.messages(body["messages"]))
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        return self._sampling(body, self._encode(prompt, "messages"), field, "messages")
+
+    # -- the parts -------------------------------------------------------------------------
+    def _object(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        if "model" in body and body["model"] != MODEL_ID:
+            raise BadRequest(
+                f"the model {shown(body['model'])} does not exist; this server serves {MODEL_ID!r}",
+                "model_not_found",
+                "model",
+                404,
+            )
+
+    def _sampling(self, body: dict[str, Any], ids: list[int], max_field: str, prompt_field: str) -> Sampling:
+        max_tokens = body.get(max_field)
+        if max_tokens is None:
+            max_tokens = DEFAULT_MAX_TOKENS
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise BadRequest(
+                f"'{max_field}' must be an integer, got {shown(max_tokens)}", "invalid_type", max_field
+            )
+        if max_tokens < 1:
+            raise BadRequest(
+                f"'{max_field}' must be at least 1, got {shown(max_tokens)}", "invalid_value", max_field
+            )
+        temperature = body.get("temperature", 0)
+        if temperature is None:
+            temperature = 0
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or not 0 <= temperature <= 2
+        ):
+            raise BadRequest(
+                f"'temperature' must be a number from 0 to 2, got {shown(temperature)}",
+                "invalid_value",
+                "temperature",
+            )
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise BadRequest(f"'seed' must be an integer, got {shown(seed)}", "invalid_type", "seed")
+        if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+            # Out of range, torch.Generator raises inside the workers: refuse it here instead.
+            raise BadRequest(
+                f"'seed' must be a 64-bit signed integer, got {shown(seed)}", "invalid_value", "seed"
+            )
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise BadRequest(f"'stream' must be a boolean, got {shown(stream)}", "invalid_type", "stream")
+        n = body.get("n")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+            raise BadRequest(f"'n' must be an integer, got {shown(n)}", "invalid_type", "n")
+        if n not in (None, 1):
+            raise BadRequest("'n' must be 1: minigrid returns one choice", "unsupported_parameter", "n")
+        total = len(ids) + max_tokens
+        if total > self.context_length:
+            raise BadRequest(
+                f"This model's maximum context length is {self.context_length} tokens. However, you "
+                f"requested {total} tokens ({len(ids)} in the prompt, {max_tokens} for the completion).",
+                "context_length_exceeded",
+                prompt_field,
+            )
+        return Sampling(
+            ids,
+            max_tokens,
+            float(temperature),
+            seed,
+            self.stops(body.get("stop")),
+            bool(stream),
+            self._include_usage(body.get("stream_options"), bool(stream)),
+        )
+
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        """Token ids of an OpenAI `prompt`: a string, token ids, or a batch of exactly one of those."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            if not prompt:
+                raise BadRequest("'prompt' is an empty list of token ids", "invalid_prompt", "prompt")
+            vocab = self.tokenizer.vocab_size
+            for i, t in enumerate(prompt):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise BadRequest(
+                        f"'prompt' holds {shown(t)} at index {i}: token ids are integers from 0 to "
+                        f"{vocab - 1}, and one prompt per request",
+                        "invalid_type",
+                        "prompt",
+                    )
+            return list(prompt)
+        if not isinstance(prompt, str):
+            raise BadRequest(
+                "'prompt' must be a string or a list of token ids (one prompt per request)",
+                "invalid_type",
+                "prompt",
+            )
+        return self._encode(prompt, "prompt")
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except MinigridError as exc:
+            raise BadRequest(str(exc), "invalid_prompt", param) from None
+
+    def messages(self, messages: Any) -> list[dict[str, str]]:
+        """The chat `messages`, each `{"role", "content"}` with text content (a string or text parts)."""
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest(
+                '\'messages\' must be a non-empty list of {"role", "content"} objects',
+                "invalid_type",
+                "messages",
+            )
+        out = []
+        for i, m in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict):
+                raise BadRequest(f"'{where}' must be an object, got {shown(m)}", "invalid_type", "messages")
+            role = m.get("role")
+            if role not in CHAT_ROLES:
+                raise BadRequest(
+                    f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {shown(role)}",
+                    "invalid_value",
+                    "messages",
+                )
+            out.append({"role": role, "content": self._content(m.get("content"), where)})
+        return out
+
+    @staticmethod
+    def _content(content: Any, where: str) -> str:
+        if content is None:
+            return ""  # an assistant turn that only called tools
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    kind = part.get("type") if isinstance(part, dict) else part
+                    raise BadRequest(
+                        f"'{where}.content[{j}]' is {shown(kind)}: minigrid reads text parts only "
+                        '({"type": "text", "text": ...})',
+                        "unsupported_content",
+                        "messages",
+                    )
+                texts.append(part["text"])
+            return "".join(texts)
+        raise BadRequest(
+            f"'{where}.content' must be a string or a list of text parts, got {shown(content)}",
+            "invalid_type",
+            "messages",
+        )
+
+    def stops(self, stop: Any) -> tuple[tuple[int, ...], ...]:
+        """`stop`: null, a string, or a list of at most 4 non-empty strings."""
+        if stop is None:
+            return ()
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise BadRequest(
+                f"'stop' must be a string or a list of strings, got {shown(stop)}", "invalid_type", "stop"
+            )
+        if len(items) > MAX_STOPS:
+            raise BadRequest(
+                f"'stop' holds {len(items)} sequences; at most {MAX_STOPS} are allowed",
+                "invalid_value",
+                "stop",
+            )
+        out = []
+        for s in items:
+            if s == "":
+                raise BadRequest("'stop' holds an empty string", "invalid_value", "stop")
+            try:
+                ids = tuple(self.tokenizer.encode(s))
+            except MinigridError as exc:
+                raise BadRequest(f"'stop' {shown(s)}: {exc}", "invalid_value", "stop") from None
+            if len(ids) > MAX_STOP_TOKENS:
+                raise BadRequest(
+                    f"a stop sequence of {len(ids)} tokens is longer than the {MAX_STOP_TOKENS} allowed",
+                    "invalid_value",
+                    "stop",
+                )
+            out.append(ids)
+        return tuple(out)
+
+    @staticmethod
+    def _include_usage(options: Any, stream: bool) -> bool:
+        if options is None:
+            return False
+        if not stream:
+            raise BadRequest(
+                "'stream_options' is only allowed with \"stream\": true", "invalid_value", "stream_options"
+            )
+        usage = options.get("include_usage", False) if isinstance(options, dict) else None
+        if not isinstance(usage, bool):
+            raise BadRequest(
+                f"'stream_options' must be an object like {{\"include_usage\": true}}, got {shown(options)}",
+                "invalid_type",
+                "stream_options",
+            )
+        return usage
+
+
+# -- what goes back -----------------------------------------------------------------------
+CHAT, TEXT = "chat", "text"
+
+
+def usage(result: Result) -> dict[str, int]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": len(result.output_ids),
+        "total_tokens": result.prompt_tokens + len(result.output_ids),
+    }
+
+
+def response(kind: str, result: Result, text: str, created: int) -> dict[str, Any]:
+    """The whole answer of a request that was not streamed."""
+    if kind == CHAT:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+        head = {"id": f"chatcmpl-{result.request_id}", "object": "chat.completion"}
+    else:
+        choice = {"index": 0, "text": text}
+        head = {"id": f"cmpl-{result.request_id}", "object": "text_completion"}
+    return {
+        **head,
+        "created": created,
+        "model": MODEL_ID,
+        "choices": [{**choice, "logprobs": None, "finish_reason": result.finish_reason}],
+        "usage": usage(result),
+        "minigrid": {"request_id": result.request_id, "room": result.room, **result.timings},
+    }
+
+
+def chunk(
+    kind: str, request_id: str, created: int, text: str | None, finish_reason: str | None = None
+) -> dict[str, Any]:
+    """One stream event. For chat, `text=None` with no finish is the opening `role` delta."""
+    if kind == CHAT:
+        if text is None and finish_reason is None:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""}
+        else:
+            delta = {} if text is None else {"content": text}
+        choice: dict[str, Any] = {"index": 0, "delta": delta}
+        head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk"}
+    else:
+        choice = {"index": 0, "text": text or ""}
+        head = {"id": f"cmpl-{request_id}", "object": "text_completion"}
+    return {
+        **head,
+        "created": created,
+        "model": MODEL_ID,
+        "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(kind: str, result: Result, created: int) -> dict[str, Any]:
+    """The last event under `stream_options.include_usage`: no choices, the usage."""
+    head = chunk(kind, result.request_id, created, "")
+    return {**head, "choices": [], "usage": usage(result)}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event; `[DONE]` ends the stream."""
+    text = data if isinstance(data, str) else json.dumps(data)
+    return f"data: {text}\n\n".encode()
+
+
+class TextStream:
+    """Turns the tokens of a streamed request into text deltas that are safe to send early.
+
+    Held back: a UTF-8 character not yet complete (the incremental decoder keeps its bytes) and
+    any tail of the output that could still grow into a stop sequence. `finish` takes the final
+    output from decode (already cut at a stop) and returns the rest of the text.
+    """
+
+    def __init__(self, stop: tuple[tuple[int, ...], ...] = ()) -> None:
+        self.stop = stop
+        self.ids: list[int] = []
+        self.sent = 0  # tokens whose bytes went into the decoder
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        safe = len(self.ids) - self._held()
+        if safe <= self.sent:
+            return ""
+        text = self._utf8.decode(bytes(self.ids[self.sent : safe]))
+        self.sent = safe
+        return text
+
+    def finish(self, output_ids: list[int]) -> str:
+        rest = output_ids[self.sent :] if len(output_ids) >= self.sent else []
+        return self._utf8.decode(bytes(rest), final=True)
+
+    def _held(self) -> int:
+        """Length of the longest tail of the output that is a prefix of a stop sequence (a whole
+        one too: decode cuts it off, and its `Result` is on the way)."""
+        held = 0
+        for s in self.stop:
+            for n in range(min(len(s), len(self.ids)), held, -1):
+                if tuple(self.ids[-n:]) == s[:n]:
+                    held = n
+                    break
+        return held
