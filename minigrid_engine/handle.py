@@ -21,6 +21,7 @@ engine; `MINIGRID_URL` and `MINIGRID_API_KEY` stand in for the arguments):
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import secrets
 import signal
@@ -222,7 +223,10 @@ class Engine:
             ) from None
 
     def complete(self, tenant: str, prompt: str, max_tokens: int = 16, **body: Any) -> Reply:
-        """POST /v1/completions as `tenant`; returns what the client saw, errors included."""
+        """POST /v1/completions as `tenant`; returns what the client saw, errors included.
+        Extra OpenAI fields go in `body` (`stop=";"`, `temperature=0.7`); to stream, `stream()`."""
+        if body.get("stream"):
+            raise MinigridError("complete() returns the whole answer: use Engine.stream() to stream")
         t0 = time.perf_counter()
         r = self.http.post(
             "/v1/completions",
@@ -245,6 +249,24 @@ class Engine:
             None,
             data,
         )
+
+    def stream(self, tenant: str, prompt: str, max_tokens: int = 16, **body: Any) -> Iterator[str]:
+        """POST /v1/completions with `"stream": true` as `tenant`: the answer's text, piece by piece
+        as decode makes it. An error (before or during the stream) raises `MinigridError`."""
+        payload = {"prompt": prompt, "max_tokens": max_tokens, **body, "stream": True}
+        headers = {"Authorization": f"Bearer {self._key(tenant)}"}
+        with self.http.stream("POST", "/v1/completions", json=payload, headers=headers) as r:
+            if r.status_code != 200:
+                r.read()
+                raise _refused(r, "the completion")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise MinigridError(f"the stream failed: {event['error'].get('message')}")
+                if event["choices"] and event["choices"][0]["text"]:
+                    yield event["choices"][0]["text"]
 
     def pools(self) -> dict[str, list[dict[str, Any]]]:
         """Owner table of each role: owner, last writer and staleness of every page (admin key)."""

@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minigrid_engine.config import corrected_preset
-from minigrid_engine.handle import Engine
+from minigrid_engine.errors import MinigridError
+from minigrid_engine.handle import Engine, EngineRefused
 from minigrid_engine.openai_api import BadRequest, Bodies, TextStream, chat_prompt
 from minigrid_engine.request import Request
 from minigrid_engine.tokenizer import ByteTokenizer
@@ -188,6 +189,15 @@ def test_a_stream_that_fails_before_its_first_token_is_a_plain_error(engine: Eng
     assert failed.value.status_code == 500 and failed.value.code == "prefill_failed"
     again = list(c.completions.create(model=MODEL, prompt="BOB pin 1234; " * 8, max_tokens=10, stream=True))
     assert again[-1].choices[0].finish_reason == "length"  # the fault was one-shot; bob is served
+
+
+def test_the_python_handle_streams_too(engine: Engine) -> None:
+    pieces = list(engine.stream("alice", PROMPT, 30, stop="; "))
+    assert len(pieces) > 3 and "".join(pieces) == engine.complete("alice", PROMPT, 30, stop="; ").text
+    with pytest.raises(EngineRefused, match="HTTP 400: This model's maximum context length is 1024"):
+        list(engine.stream("alice", "x" * 1020, 10))
+    with pytest.raises(MinigridError, match=r"use Engine\.stream"):
+        engine.complete("alice", PROMPT, 4, stream=True)
 
 
 def test_streams_leave_no_page_behind(engine: Engine) -> None:
