@@ -32,6 +32,7 @@ from minigrid_engine.messages import (
     Bootstrapped,
     GenerateRequest,
     KVBootstrap,
+    RecentRooms,
     Result,
     Tokens,
     TransferBegin,
@@ -68,9 +69,9 @@ class DecodeScheduler:
         self.transfer: dict[int, Request] = {}
         self.running: list[Request] = []
         self._early: set[int] = set()  # Bootstrapped that arrived before the request
-        self._early_aborts: dict[int, Abort] = {}  # prefill's Abort that overtook the request
+        self._early_aborts: RecentRooms[Abort] = RecentRooms()  # prefill's Abort that overtook the request
         self.transfer_since: dict[int, float] = {}
-        self.rooms: dict[int, tuple[str, str]] = {}
+        self.rooms: RecentRooms[tuple[str, str]] = RecentRooms()
         self.quarantine: dict[int, tuple[Request, float]] = {}  # deferred-release: room -> (req, until)
         self.received: dict[int, list[int]] = {}  # room -> decode pages whose page data arrived
         self._generators: dict[int, torch.Generator] = {}
@@ -98,8 +99,6 @@ class DecodeScheduler:
         req.advance(State.BOOTSTRAPPING, self.trace, role="decode")
         self.bootstrapping[msg.room] = req
         self.rooms[msg.room] = (req.request_id, req.tenant)
-        while len(self.rooms) > 10_000:  # who each recent room was, for late messages
-            del self.rooms[next(iter(self.rooms))]
         if msg.room in self._early_aborts:  # prefill failed it first: no page is reserved
             self._early.discard(msg.room)
             self.on_abort(self._early_aborts.pop(msg.room))
@@ -290,8 +289,6 @@ class DecodeScheduler:
         if req is None:
             if msg.room not in self.rooms:  # it overtook the request itself: keep it for then
                 self._early_aborts[msg.room] = msg
-                while len(self._early_aborts) > 10_000:
-                    del self._early_aborts[next(iter(self._early_aborts))]
             return
         self._release(req)
         req.finish(Outcome.ABORTED, self.trace, msg.reason)

@@ -25,7 +25,24 @@ worker keeps one connection to every prefill worker, opened with a `PeerHello`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+V = TypeVar("V")
+RECENT_ROOMS = 10_000  # how many rooms a role remembers, for messages that come late
+
+
+class RecentRooms(dict[int, V]):
+    """What a role keeps about its most recent rooms, oldest forgotten first: late or overtaking
+    messages are told apart from unknown ones without the memory growing with every request."""
+
+    def __init__(self, limit: int = RECENT_ROOMS) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, room: int, value: V) -> None:
+        super().__setitem__(room, value)
+        while len(self) > self.limit:
+            del self[next(iter(self))]
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from minigrid_engine.messages import (
     Bootstrapped,
     GenerateRequest,
     KVBootstrap,
+    RecentRooms,
     TransferBegin,
     TransferDone,
 )
@@ -86,7 +87,9 @@ class PrefillScheduler:
         self.counters = {"prefilled": 0, "stubbed": 0, "rejected": 0, "transfers": 0, "aborted": 0}
         self.faults = list(parse_faults(cfg.inject, tenants=cfg.tenants))
         self.cancelled: set[int] = set()  # rooms decode gave up on (read by the sender thread)
-        self.ended: dict[int, None] = {}  # recent rooms failed here (prefill-error), oldest first
+        self.ended: RecentRooms[None] = (
+            RecentRooms()
+        )  # rooms failed here (prefill-error)
         # Injected faults hold jobs here, not in the sender, so an abort can still take them back.
         self.held: list[tuple[float, TransferJob]] = []  # (due, job): delay-transfer, delay-done
         self.overtaken: tuple[float, TransferJob] | None = None  # reorder-transfer: (latest, job)
@@ -350,8 +353,6 @@ class PrefillScheduler:
         req.finish(Outcome.ABORTED, self.trace, reason)
         self.counters["aborted"] += 1
         self.ended[req.room or 0] = None
-        while len(self.ended) > 10_000:
-            del self.ended[next(iter(self.ended))]
         self.decode_pages.pop(req.room or 0, None)
         abort = Abort(req.room or 0, reason, 500, "prefill_failed", "prefill")
         self.send_decode(abort)

@@ -44,6 +44,7 @@ from minigrid_engine.messages import (
     Query,
     QueryReply,
     Ready,
+    RecentRooms,
     SetFixes,
     Shutdown,
     TransferBegin,
@@ -94,7 +95,7 @@ class Peers:
         self.conns: dict[str, LockedConn] = {}
         self.ranks: dict[str, int] = {}
         self.hosts: dict[str, str] = {}
-        self.rooms: dict[int, str] = {}
+        self.rooms: RecentRooms[str] = RecentRooms()  # who each recent room was paired with
 
     def add(self, worker: str, rank: int, conn: Connection, host: str) -> None:
         self.conns[worker], self.ranks[worker], self.hosts[worker] = LockedConn(conn), rank, host
@@ -103,8 +104,6 @@ class Peers:
         if worker not in self.conns:
             raise KeyError(f"room {room} is paired with {worker!r}, not a peer of this worker")
         self.rooms[room] = worker
-        while len(self.rooms) > 10_000:  # who each recent room was paired with, for late messages
-            del self.rooms[next(iter(self.rooms))]
 
     def of(self, room: int) -> str:
         worker = self.rooms.get(room)

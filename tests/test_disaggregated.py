@@ -17,6 +17,7 @@ import pytest
 
 from minigrid_engine.config import MODEL_ID, corrected_preset, incident_preset
 from minigrid_engine.handle import Engine
+from minigrid_engine.messages import RecentRooms
 from minigrid_engine.records import record_prompt
 from minigrid_engine.scenario import codes_in, record_codes, run_incident
 
@@ -280,3 +281,13 @@ def test_audit_passes_the_corrected_configuration() -> None:
 def test_audit_of_nothing_says_so() -> None:
     proc = _audit("http://127.0.0.1:9")
     assert proc.returncode == 2 and "cannot read http://127.0.0.1:9/metrics" in proc.stderr
+
+
+def test_a_role_remembers_recent_rooms_only() -> None:
+    """Late messages are told apart by room, but the memory of rooms stays bounded."""
+    rooms: RecentRooms[str] = RecentRooms(limit=3)
+    for room in range(1, 7):
+        rooms[room] = f"decode-{room % 2}"
+    assert list(rooms) == [4, 5, 6] and rooms[5] == "decode-1"
+    rooms[5] = "decode-0"  # seen again: updated, nothing else forgotten
+    assert list(rooms) == [4, 5, 6]
