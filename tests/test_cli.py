@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-
-def minigrid(*args: str, timeout: int = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "minigrid_engine.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
+from cli_run import minigrid
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from cli_run import minigrid
 
 from minigrid_engine.config import MODEL_ID, corrected_preset, incident_preset
 from minigrid_engine.handle import Engine
@@ -242,23 +243,13 @@ def test_a_killed_notebook_kernel_leaves_no_engine() -> None:
     ],
 )
 def test_serve_refuses_impossible_settings(args: list[str], message: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "minigrid_engine.cli", "serve", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = minigrid("serve", *args, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
 def _audit(url: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "minigrid_engine.cli", "audit", "--url", url, *extra],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return minigrid("audit", "--url", url, *extra, timeout=60)
 
 
 def test_audit_reads_the_running_engine(incident: Engine) -> None:

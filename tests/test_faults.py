@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_run import minigrid
 
 from minigrid_engine.errors import ConfigError
 from minigrid_engine.fault_campaign import CASES, TARGET, VICTIM, campaign_config, run_case, select
@@ -71,13 +70,7 @@ def test_fault_injection_needs_the_opt_in() -> None:
 
 
 def test_serve_refuses_an_unknown_tenant_before_starting() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "minigrid_engine.cli", "serve", "--inject", "drop-done@mallory"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, ENV: "1"},
-    )
+    proc = minigrid("serve", "--inject", "drop-done@mallory", timeout=60, env={**os.environ, ENV: "1"})
     assert proc.returncode == 2
     assert "@mallory is not a tenant of this engine: choose alice, bob" in proc.stderr
 
@@ -178,23 +171,7 @@ def test_a_duplicate_done_is_ignored_and_traced(engine: Engine) -> None:
 def test_faults_cli_runs_a_subset_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "faults.json"
     env = {k: v for k, v in os.environ.items() if k != ENV}  # the command needs no opt-in
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "minigrid_engine.cli",
-            "faults",
-            "--only",
-            "drop-done",
-            "--json",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    proc = minigrid("faults", "--only", "drop-done", "--json", "--out", str(out), timeout=180, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     assert report == json.loads(out.read_text())

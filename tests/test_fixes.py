@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
 import pytest
+from cli_run import minigrid
 
 from minigrid_engine.config import corrected_preset, incident_preset
 from minigrid_engine.errors import ConfigError
@@ -136,22 +135,7 @@ def test_owner_check(n: Numbers) -> None:
     ids=["incident", "other-numbers", "decode-pool"],
 )
 def test_capacity_check_refuses_to_start(args: list[str], message: str) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "minigrid_engine.cli",
-            "serve",
-            "--fixes",
-            "capacity-check",
-            "--port",
-            "0",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = minigrid("serve", "--fixes", "capacity-check", "--port", "0", *args, timeout=60)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
     assert "-pool-tokens to at least 1024" in proc.stderr
@@ -227,31 +211,14 @@ def test_fault_injection_is_refused_unless_allowed() -> None:
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "MINIGRID_FAULT_INJECTION"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "minigrid_engine.cli", "serve", "--inject", "delay-transfer=2"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    proc = minigrid("serve", "--inject", "delay-transfer=2", timeout=60, env=env)
     assert proc.returncode == 2 and "set MINIGRID_FAULT_INJECTION=1 to allow it" in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "minigrid_engine.cli", "serve", "--inject", "melt-gpu"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    proc = minigrid("serve", "--inject", "melt-gpu", timeout=60, env=env)
     assert proc.returncode == 2 and "unknown fault 'melt-gpu': choose one of delay-transfer" in proc.stderr
 
 
 def test_serve_runs_every_fix_by_default_so_the_incident_numbers_refuse_to_start() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "minigrid_engine.cli", "serve", "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = minigrid("serve", "--port", "0", timeout=60)
     assert proc.returncode == 2
     assert "capacity-check: the prefill KV pool holds 665 tokens" in proc.stderr
     assert "--preset corrected" in proc.stderr

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from typing import Any
+
+from cli_run import minigrid
 
 from minigrid_engine.canary import CanaryHarness
 from minigrid_engine.config import incident_preset
@@ -96,12 +96,7 @@ def test_minigrid_fuzz_with_every_fix_finds_nothing() -> None:
         "0.2",
         "--json",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "minigrid_engine.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = minigrid(*args, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rep = json.loads(proc.stdout)
     assert rep["isolated"] and rep["numbers"]["prefill_pool_tokens"] == 2048

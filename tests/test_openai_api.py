@@ -139,7 +139,7 @@ def test_a_stop_that_never_shows_changes_nothing(client: openai.OpenAI) -> None:
 
 def test_chat_answers_what_the_same_text_as_a_completion_answers(client: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": "Continue."}, {"role": "user", "content": PROMPT}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=24)  # type: ignore[arg-type]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=24)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == whole(client, 24, "Continue.\n" + PROMPT)
     assert "ALICE" in (r.choices[0].message.content or "")  # the model copies from its context
@@ -169,8 +169,8 @@ def test_a_streamed_completion_is_the_whole_one_in_pieces(client: openai.OpenAI,
 
 def test_a_streamed_chat_is_the_whole_one_in_pieces(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": PROMPT}]
-    want = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30)  # type: ignore[arg-type]
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, stream=True))  # type: ignore[arg-type]
+    want = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_run import minigrid
 
 from minigrid_engine import router as router_module
 from minigrid_engine.config import incident_preset
@@ -89,12 +90,7 @@ def test_config_takes_worker_restarts_from_0() -> None:
 
 
 def test_serve_refuses_a_negative_restart_count_in_one_line() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "minigrid_engine.cli", "serve", "--worker-restarts", "-1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = minigrid("serve", "--worker-restarts", "-1", timeout=60)
     assert proc.returncode == 2 and "--worker-restarts must be at least 0, got -1" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
 

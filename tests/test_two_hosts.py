@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from cli_run import minigrid
 
 from minigrid_engine.handle import stop_process
 from minigrid_engine.model import ModelConfig
@@ -223,23 +224,16 @@ def test_a_worker_with_the_wrong_key_is_refused(tmp_path: Path) -> None:
         deadline = time.monotonic() + 60
         worker = None
         while time.monotonic() < deadline:
-            worker = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "minigrid_engine.cli",
-                    "worker",
-                    "--role",
-                    "decode",
-                    "--router",
-                    listen,
-                    "--authkey-file",
-                    str(bad),
-                    "--connect-timeout",
-                    "1",
-                ],
-                capture_output=True,
-                text=True,
+            worker = minigrid(
+                "worker",
+                "--role",
+                "decode",
+                "--router",
+                listen,
+                "--authkey-file",
+                str(bad),
+                "--connect-timeout",
+                "1",
                 timeout=60,
             )
             if "Connection refused" not in worker.stderr:  # the router listens: the key was checked

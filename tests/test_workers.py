@@ -7,13 +7,12 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from cli_run import minigrid
 
 from minigrid_engine.config import corrected_preset, incident_preset
 from minigrid_engine.errors import ConfigError
@@ -51,12 +50,7 @@ def test_pairing_least_outstanding_then_round_robin() -> None:
     ],
 )
 def test_serve_refuses_bad_worker_counts(args: list[str], message: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "minigrid_engine.cli", "serve", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = minigrid("serve", *args, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
