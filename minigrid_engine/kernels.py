@@ -70,6 +70,33 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter makes a loop bound of a scalar (held as an array of shape (1,))
+    with ``int(array)``, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted");
+    Triton 3.9's squeezes the array first. Do the same for an interpreter that does not. (The
+    compiled kernels on a GPU never take this path.)"""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    try:
+        if patch is None or "squeeze" in inspect.getsource(patch):
+            return
+    except (OSError, TypeError):
+        return
+
+    def patched(tensor: Any, scope: Any) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreted():
+    _interpreter_scalar_index()
+
+
 # -- the kernels ---------------------------------------------------------------------------------
 @triton.jit
 def _write_kv_kernel(
