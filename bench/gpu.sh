@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
 # The GPU checks of the Triton kernels, as one prepared script: under 10 minutes in the worst case
-# (time limits 90 + 180 + 300 s), about 4-6 minutes expected on an H200.
+# (time limits 60 or 90 + 180 + 300 s), about 4-6 minutes expected on an H200.
 #
 #   bench/gpu.sh RESULTS_DIR            e.g. bench/gpu.sh bench/results/gpu-h200
 #   SKIP_TESTS=1 bench/gpu.sh DIR       only bench/kernels.py (it checks correctness itself)
 #
+# On the lent H200 (no network; its image lacks fastapi, uvicorn, pydantic and FlashInfer):
+#   here:        bench/gpu-wheels.sh    the missing wheels into .whl/ (ignored by git, ~23 MiB)
+#   device run:  carry [".whl"], command `bench/gpu.sh $OUT/gpu-h200` (timeout_s 600);
+#                the results come back under the device's files_at folder, gpu-h200/
+#
+# 0. the wheels in .whl/, when there are any: installed offline into /tmp/site, put first on
+#    PYTHONPATH (for the test's `minigrid serve` subprocess too)  -> wheels-install.log
 # 1. tests/test_kernels.py on the GPU: the compiled kernels against the torch reference, the
 #    model's greedy tokens with both backends, the leak and its owner-check  -> test_kernels.log
-# 2. FlashInfer, when it is importable or pip can install it (no network: its rows are skipped)
+# 2. FlashInfer, when it is importable (from .whl/; with no .whl/, when pip can install it within
+#    90 s): its decode kernel JIT-compiles (a minute or two) in the background during step 1,
+#    and step 3 waits on FlashInfer's lock if it is still building  -> flashinfer-warmup.log;
+#    not importable: its columns stay empty
 # 3. bench/kernels.py: correctness on the device, then decode time and HBM bandwidth for batch
 #    1/8/64 x context 1k/8k/32k (32 q heads, 8 kv heads, head_dim 128, fp16, page 64) against
 #    torch SDPA and FlashInfer, the owner-check's overhead, engine tokens/s  -> kernels-cuda.json
@@ -27,10 +37,29 @@ print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory,driver_version --format=csv \
   > "$out/nvidia-smi.csv" 2>&1 || true
 
-if ! "$py" -c 'import flashinfer' 2>/dev/null; then
-  echo "FlashInfer: trying pip install flashinfer-python (skipped if there is no network)"
-  timeout 90 "$py" -m pip install -q flashinfer-python > "$out/flashinfer-install.log" 2>&1 \
-    || echo "FlashInfer: not installed (see $out/flashinfer-install.log); its columns stay empty"
+wheels=(.whl/*.whl)
+if [ -e "${wheels[0]}" ]; then  # carried from a machine with PyPI (bench/gpu-wheels.sh)
+  echo "installing ${#wheels[@]} wheels from .whl/ into /tmp/site"
+  if timeout 60 "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "${wheels[@]}" > "$out/wheels-install.log" 2>&1; then
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  else
+    echo "wheels: install failed (see $out/wheels-install.log)"
+    status=1
+  fi
+elif ! "$py" -c 'import flashinfer' 2>/dev/null; then  # no wheels: only where there is a network
+  echo "FlashInfer: trying pip install flashinfer-python (fails fast without network)"
+  timeout 90 "$py" -m pip install -q --retries 0 --timeout 10 flashinfer-python \
+    > "$out/flashinfer-install.log" 2>&1 || echo "FlashInfer: pip install failed"
+fi
+
+warmup=""
+if "$py" -c 'import flashinfer' > "$out/flashinfer-import.log" 2>&1; then
+  echo "FlashInfer: its decode kernel JIT-compiles in the background meanwhile"
+  timeout 420 "$py" bench/kernels.py --flashinfer-warmup --out "$out" > "$out/flashinfer-warmup.log" 2>&1 &
+  warmup=$!
+else
+  echo "FlashInfer: not importable (see $out/flashinfer-import.log); its columns stay empty"
 fi
 
 if [ -n "${SKIP_TESTS:-}" ]; then
@@ -47,5 +76,6 @@ fi
 echo "bench/kernels.py"
 timeout 300 "$py" bench/kernels.py --out "$out" 2>&1 | tee "$out/kernels.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+[ -z "$warmup" ] || kill "$warmup" 2>/dev/null  # done by now, unless its build hung
 echo "results in $out (exit $status)"
 exit "$status"
