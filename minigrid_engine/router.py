@@ -901,8 +901,11 @@ class Router:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
 
-        def failure(result: Result) -> JSONResponse:
+        def failed(result: Result) -> None:
             router.requests_total.labels("rejected" if result.status < 500 else "aborted").inc()
+
+        def failure(result: Result) -> JSONResponse:
+            failed(result)
             return api_error(
                 result.status,
                 result.error or "request failed",
@@ -947,7 +950,7 @@ class Router:
                         pending = None
                 result = work.result()
                 if result.status != 200:
-                    failure(result)
+                    failed(result)
                     error = {"message": result.error, "type": result.error_type, "param": None}
                     yield oai.sse({"error": {**error, "code": result.code}})
                 else:
