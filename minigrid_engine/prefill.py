@@ -87,9 +87,7 @@ class PrefillScheduler:
         self.counters = {"prefilled": 0, "stubbed": 0, "rejected": 0, "transfers": 0, "aborted": 0}
         self.faults = list(parse_faults(cfg.inject, tenants=cfg.tenants))
         self.cancelled: set[int] = set()  # rooms decode gave up on (read by the sender thread)
-        self.ended: RecentRooms[None] = (
-            RecentRooms()
-        )  # rooms failed here (prefill-error)
+        self.ended: RecentRooms[None] = RecentRooms()  # rooms failed here (prefill-error)
         # Injected faults hold jobs here, not in the sender, so an abort can still take them back.
         self.held: list[tuple[float, TransferJob]] = []  # (due, job): delay-transfer, delay-done
         self.overtaken: tuple[float, TransferJob] | None = None  # reorder-transfer: (latest, job)
