@@ -277,8 +277,11 @@ def run_case(case: FaultCase, restart_wait_s: float = 60.0, seed: int = 0) -> Ou
                 target = pool.submit(send, case.target, 64, ctx - 64 - 8)
             else:
                 target = pool.submit(send, case.target, target_len, 8)
+            if case.kill == "decode":  # kill as soon as she decodes (a quiet machine ends it in 0.5 s)
+                _wait_decoding(eng, case.target, 10.0)
+            elif case.kill is not None:
+                time.sleep(0.5)  # carol's transfer is held by prefill
             if case.kill is not None:
-                time.sleep(0.5)  # carol's transfer is held (prefill) or she is decoding (decode)
                 os.kill(eng.worker_pids()[case.kill], signal.SIGKILL)
                 affected = target.result()
                 _wait_unhealthy(eng, 10.0)  # the router has seen the death before we ask again
@@ -322,6 +325,16 @@ def run_case(case: FaultCase, restart_wait_s: float = 60.0, seed: int = 0) -> Ou
             except Exception as exc:
                 out.note = (out.note + "; " if out.note else "") + f"no trace: {exc}"
     return out
+
+
+def _wait_decoding(eng: Engine, tenant: str, timeout_s: float) -> None:
+    """Until the decode trace shows `tenant`'s request entering the decoding state."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for e in eng.trace()["decode"]:
+            if e["kind"] == "state" and e["tenant"] == tenant and e["detail"].get("to") == "decoding":
+                return
+        time.sleep(0.01)
 
 
 @dataclass
