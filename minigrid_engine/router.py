@@ -100,12 +100,18 @@ def api_error(
     param: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    """An OpenAI-style error body."""
-    return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}},
-        status_code=status,
-        headers=headers,
-    )
+    """An OpenAI-style error response."""
+    return JSONResponse(error_body(message, type_, code, param), status_code=status, headers=headers)
+
+
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object, as a response body or as a stream's error event."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def request_id(tenant: str, room: int) -> str:
+    """What every role, the trace and the client call one request."""
+    return f"{tenant}-{room}"
 
 
 async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
@@ -747,7 +753,7 @@ class Router:
         room = self.next_room() if room is None else room
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Result] = loop.create_future()
-        request_id = f"{tenant}-{room}"
+        rid = request_id(tenant, room)
         links: list[WorkerLink] = []
         try:
             with self._plock:
@@ -762,7 +768,7 @@ class Router:
                     self._streams[room] = tokens
             msg = GenerateRequest(
                 room,
-                request_id,
+                rid,
                 tenant,
                 ask.prompt_ids,
                 ask.max_tokens,
@@ -776,11 +782,11 @@ class Router:
             for link in links:
                 link.send(msg)
         except _Refused as exc:
-            return Result.failed(room, 503, exc.code, exc.message, request_id, tenant)
+            return Result.failed(room, 503, exc.code, exc.message, rid, tenant)
         except (ConnectionError, OSError) as exc:
             with self._plock:
                 self._forget(room)
-            return Result.failed(room, 503, "worker_unavailable", str(exc), request_id, tenant)
+            return Result.failed(room, 503, "worker_unavailable", str(exc), rid, tenant)
         try:
             return await fut
         except asyncio.CancelledError:  # the client went away: tell the workers
@@ -896,7 +902,7 @@ class Router:
                 text = router.tokenizer.decode(result.output_ids)
                 return JSONResponse(oai.response(kind, result, text, int(time.time())))
             return StreamingResponse(
-                stream(kind, ask, f"{tenant}-{room}", work, tokens, first),
+                stream(kind, ask, request_id(tenant, room), work, tokens, first),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -951,8 +957,8 @@ class Router:
                 result = work.result()
                 if result.status != 200:
                     failed(result)
-                    error = {"message": result.error, "type": result.error_type, "param": None}
-                    yield oai.sse({"error": {**error, "code": result.code}})
+                    message, type_ = result.error or "request failed", result.error_type or "server_error"
+                    yield oai.sse(error_body(message, type_, result.code))
                 else:
                     answered(result)
                     tail = text.finish(result.output_ids)
