@@ -150,6 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "transfer_host",
         "worker_listen",
         "worker_restarts",
+        "worker_restart_window_s",
     ):
         if getattr(args, flag) is not None:
             changes[flag] = getattr(args, flag)
@@ -429,6 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--worker-listen", help="HOST:PORT where the router waits for its workers")
     s.add_argument(
         "--worker-restarts", type=int, help="restarts of every local worker after one dies (3; 0: never)"
+    )
+    s.add_argument(
+        "--worker-restart-window",
+        dest="worker_restart_window_s",
+        type=float,
+        metavar="SECONDS",
+        help="count --worker-restarts within any this many seconds; older restarts are forgotten (600)",
     )
     s.add_argument("--authkey-file", type=Path, help="the key workers present (64 hex digits), for --remote")
     s.set_defaults(func=cmd_serve)

@@ -15,6 +15,7 @@ from typing import Any
 
 from minigrid_engine.errors import ConfigError
 from minigrid_engine.fixes import Fixes, parse_fixes
+from minigrid_engine.recovery import DEFAULT_RESTART_WINDOW_S
 
 INCIDENT_CONTEXT = 1024
 INCIDENT_PREFILL_POOL = 665
@@ -26,6 +27,7 @@ MODEL_ID = "minigrid-byte"
 MAX_WORKERS_PER_ROLE = 8
 ROLES = ("prefill", "decode")
 MAX_WORKER_RESTARTS = 100
+MAX_RESTART_WINDOW_S = 7 * 24 * 3600.0
 
 
 def _whole(name: str, value: object, minimum: int = 1) -> int:
@@ -81,7 +83,8 @@ class ServeConfig:
     weights: str | None = None  # None: the weights shipped in the package
     release_timeout_s: float = 5.0  # decode gives up on a transfer after this long
     inject: tuple[str, ...] = ()  # fault injections (faults.py), for tests and labs only
-    worker_restarts: int = 3  # times the router restarts its workers after one dies (0: never)
+    worker_restarts: int = 3  # times the router restarts its workers after one dies (0: never) ...
+    worker_restart_window_s: float = DEFAULT_RESTART_WINDOW_S  # ... within any this many seconds
 
     def __post_init__(self) -> None:
         _whole("--port", self.port, 0)
@@ -128,6 +131,16 @@ class ServeConfig:
             raise ConfigError(
                 f"--worker-restarts {self.worker_restarts}: at most {MAX_WORKER_RESTARTS} "
                 "(0 turns restarts off)"
+            )
+        window = self.worker_restart_window_s
+        if (
+            isinstance(window, bool)
+            or not isinstance(window, int | float)
+            or not 1 <= window <= MAX_RESTART_WINDOW_S
+        ):
+            raise ConfigError(
+                f"--worker-restart-window {window!r} must be between 1 and "
+                f"{MAX_RESTART_WINDOW_S:g} seconds (a week)"
             )
         if not 0 < self.release_timeout_s <= 3600:
             raise ConfigError(

@@ -380,6 +380,7 @@ def _flags(cfg: ServeConfig) -> list[str]:
         "--max-batch": cfg.max_batch,
         "--release-timeout": cfg.release_timeout_s,
         "--worker-restarts": cfg.worker_restarts,
+        "--worker-restart-window": cfg.worker_restart_window_s,
     }
     if (cfg.prefill_workers, cfg.decode_workers) != (1, 1):
         values |= {"--prefill-workers": cfg.prefill_workers, "--decode-workers": cfg.decode_workers}

@@ -5,13 +5,16 @@ take a rank back once its process is gone: the survivors' transfers with the dea
 fail, and a new process cannot join the old group. So the router does not nurse half a group.
 When a local worker dies it fails every request in flight (the dead worker's own with
 ``worker_unavailable``, the others' with ``engine_restarting``), stops the survivors, and starts
-every local worker again on fresh ports: new processes, fresh pools, a new group. It does so a
-bounded number of times (``--worker-restarts``, 3) so that a crash loop ends, plainly::
+every local worker again on fresh ports: new processes, fresh pools, a new group. It does so at
+most ``--worker-restarts`` times (3) within any ``--worker-restart-window`` seconds (600), so
+that a crash loop ends, plainly, while a deployment that loses a worker once a week is not down
+for good after its third week (restarts older than the window no longer count, as Kubernetes
+forgets a pod's back-off after ten minutes of running)::
 
     ok --a worker dies--> restarting --every worker Ready--> ok
                              |    ^
                              |    +--a start fails, restarts left--+
-                             +--no restart left, restarts off, or a worker on another host--> down
+                             +--no restart left (in the window), restarts off, a remote worker--> down
 
 A worker on another host (``--remote``) was started by hand there: the router cannot start it
 again, so a death with remote workers in the group goes straight to ``down`` and says so.
@@ -24,11 +27,13 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 DEFAULT_RETRY_AFTER_S = 5  # what a client is told to wait before the first restart has been timed
+DEFAULT_RESTART_WINDOW_S = 600.0  # restarts older than this no longer count against the limit
 
 
 class Status(enum.Enum):
@@ -62,12 +67,16 @@ class WorkerFailure:
 
 @dataclass
 class Recovery:
-    """The router's record of worker failures and restarts (`limit`: ``--worker-restarts``)."""
+    """The router's record of worker failures and restarts: at most `limit` (``--worker-restarts``)
+    within any `window_s` seconds (``--worker-restart-window``)."""
 
     limit: int
     remote: tuple[str, ...] = ()  # roles run on another host: the router cannot restart them
+    window_s: float = DEFAULT_RESTART_WINDOW_S
+    clock: Callable[[], float] = time.monotonic
     status: Status = Status.OK
     restarts: int = 0  # restarts begun, over the engine's life
+    began: list[float] = field(default_factory=list)  # when each restart within the window began
     last_failure: WorkerFailure | None = None
     note: str | None = None  # what the router is doing, or did, about the last failure
     last_restart_s: float | None = None  # how long the last successful restart took
@@ -86,13 +95,25 @@ class Recovery:
                 "the router will not restart the workers: restarts are off (--worker-restarts 0); "
                 "restart `minigrid serve`"
             )
-        if self.restarts >= self.limit:
+        recent = self.recent()
+        if recent >= self.limit:
             return (
                 f"the router will not restart the workers any more: it has restarted them "
-                f"{self.restarts} time{'s' if self.restarts != 1 else ''}, the limit set by "
-                f"--worker-restarts {self.limit}; find out why they die, then restart `minigrid serve`"
+                f"{recent} time{'s' if recent != 1 else ''} in {self.window_s:g} s, the limit set by "
+                f"--worker-restarts {self.limit} --worker-restart-window {self.window_s:g}; "
+                "find out why they die, then restart `minigrid serve`"
             )
         return None
+
+    def recent(self) -> int:
+        """Restarts begun within the last `window_s` seconds: those that count against `limit`."""
+        since = self.clock() - self.window_s
+        self.began = [t for t in self.began if t > since]
+        return len(self.began)
+
+    def counted(self) -> str:
+        """Where the current restart stands against the limit, e.g. "restart 2 of 3 in 600 s"."""
+        return f"restart {self.recent()} of {self.limit} in {self.window_s:g} s"
 
     def on_failure(self, failure: WorkerFailure) -> bool:
         """Record `failure` (the engine was ok). True: restart now (status ``restarting``);
@@ -110,10 +131,7 @@ class Recovery:
         self.status = Status.OK
         self.last_restart_s = seconds
         after = f" after {self.last_failure.reason}" if self.last_failure is not None else ""
-        self.note = (
-            f"restarted every local worker in {seconds:.1f} s{after} "
-            f"(restart {self.restarts} of {self.limit})"
-        )
+        self.note = f"restarted every local worker in {seconds:.1f} s{after} ({self.counted()})"
 
     def _next_attempt(self, why: str) -> bool:
         refusal = self.why_not_restart()
@@ -122,8 +140,9 @@ class Recovery:
             self.note = f"{why}; {refusal}"
             return False
         self.restarts += 1
+        self.began.append(self.clock())
         self.status = Status.RESTARTING
-        self.note = f"restarting every local worker (restart {self.restarts} of {self.limit}) after {why}"
+        self.note = f"restarting every local worker ({self.counted()}) after {why}"
         return True
 
     @property
@@ -151,7 +170,12 @@ class Recovery:
     def to_dict(self) -> dict[str, Any]:
         """The part of `/health` about failures: restarts, last_failure, recovery."""
         return {
-            "restarts": {"count": self.restarts, "limit": self.limit},
+            "restarts": {
+                "count": self.restarts,
+                "in_window": self.recent(),
+                "limit": self.limit,
+                "window_s": self.window_s,
+            },
             "last_failure": self.last_failure.to_dict() if self.last_failure is not None else None,
             "recovery": self.note,
         }

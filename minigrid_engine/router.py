@@ -264,7 +264,7 @@ class Router:
         self._plock = threading.Lock()
         self.started_at = time.time()
         self.startup_log: list[str] = []
-        self.recovery = Recovery(cfg.worker_restarts, cfg.remote)
+        self.recovery = Recovery(cfg.worker_restarts, cfg.remote, cfg.worker_restart_window_s)
         self.generation = 0  # bumped by each start of the workers
         self._closed = False  # stop_workers was called: a death now is the router stopping
         self.registry = CollectorRegistry()
@@ -562,7 +562,7 @@ class Router:
         r = self.recovery
         if r.status is Status.RESTARTING:
             then = (
-                f"the router is restarting every local worker (restart {r.restarts} of {r.limit}): "
+                f"the router is restarting every local worker ({r.counted()}): "
                 f"retry in about {r.retry_after_s()} s"
             )
         else:

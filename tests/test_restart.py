@@ -35,11 +35,15 @@ KILLED = WorkerFailure("decode-0", "the decode worker died (exit status -9)", -9
 # -- the policy, without processes ------------------------------------------------------------
 def test_a_death_restarts_until_the_limit_then_the_engine_is_down() -> None:
     r = Recovery(limit=2)
-    assert r.to_dict() == {"restarts": {"count": 0, "limit": 2}, "last_failure": None, "recovery": None}
+    assert r.to_dict() == {
+        "restarts": {"count": 0, "in_window": 0, "limit": 2, "window_s": 600.0},
+        "last_failure": None,
+        "recovery": None,
+    }
     assert r.on_failure(KILLED) and r.status is Status.RESTARTING
     assert (
-        r.note
-        == "restarting every local worker (restart 1 of 2) after the decode worker died (exit status -9)"
+        r.note == "restarting every local worker (restart 1 of 2 in 600 s) after the decode worker died "
+        "(exit status -9)"
     )
     code, message = r.refusal() or ("", "")
     assert (
@@ -51,12 +55,37 @@ def test_a_death_restarts_until_the_limit_then_the_engine_is_down() -> None:
     assert r.on_failure(KILLED) and r.restarts == 2
     r.restarted(1.0)
     assert not r.on_failure(KILLED) and r.status is Status.DOWN and r.restarts == 2
-    assert "will not restart the workers any more: it has restarted them 2 times" in (r.note or "")
-    assert "--worker-restarts 2" in (r.note or "")
+    assert "will not restart the workers any more: it has restarted them 2 times in 600 s" in (r.note or "")
+    assert "--worker-restarts 2 --worker-restart-window 600" in (r.note or "")
     code, message = r.refusal() or ("", "")
     assert code == "engine_down" and "the engine is down after the decode worker died" in message
     assert r.to_dict()["last_failure"]["worker"] == "decode-0"
     assert r.to_dict()["last_failure"]["at"].endswith("Z")
+
+
+def test_restarts_older_than_the_window_no_longer_count() -> None:
+    """A worker lost once a week is restarted every week; three losses within the window are not."""
+    now = [1000.0]
+    r = Recovery(limit=2, window_s=60, clock=lambda: now[0])
+    for _ in range(5):  # one death every 61 s: never two within 60 s
+        assert r.on_failure(KILLED), r.note
+        r.restarted(1.0)
+        assert r.note is not None and r.note.endswith("(restart 1 of 2 in 60 s)"), r.note
+        now[0] += 61
+    assert r.restarts == 5 and r.to_dict()["restarts"] == {
+        "count": 5,
+        "in_window": 0,
+        "limit": 2,
+        "window_s": 60,
+    }
+    assert r.on_failure(KILLED)
+    r.restarted(1.0)
+    now[0] += 30  # the second death within 60 s: the limit
+    assert r.on_failure(KILLED) and "restart 2 of 2 in 60 s" in (r.note or "")
+    r.restarted(1.0)
+    now[0] += 29
+    assert not r.on_failure(KILLED) and r.status is Status.DOWN
+    assert "restarted them 2 times in 60 s" in (r.note or "")
 
 
 def test_a_failed_restart_tries_again_within_the_limit() -> None:
@@ -87,12 +116,18 @@ def test_config_takes_worker_restarts_from_0() -> None:
         incident_preset(worker_restarts=-1)
     with pytest.raises(ConfigError, match="--worker-restarts 101: at most 100"):
         incident_preset(worker_restarts=101)
+    assert incident_preset(worker_restart_window_s=3600).worker_restart_window_s == 3600
+    for bad in (0, -5, float("nan"), float("inf"), "600", True):
+        with pytest.raises(ConfigError, match=r"--worker-restart-window .* must be between 1 and 604800"):
+            incident_preset(worker_restart_window_s=bad)
 
 
 def test_serve_refuses_a_negative_restart_count_in_one_line() -> None:
     proc = minigrid("serve", "--worker-restarts", "-1", timeout=60)
     assert proc.returncode == 2 and "--worker-restarts must be at least 0, got -1" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+    proc = minigrid("serve", "--worker-restart-window", "0", timeout=60)
+    assert proc.returncode == 2 and "--worker-restart-window 0.0 must be between 1 and" in proc.stderr
 
 
 # -- real processes -----------------------------------------------------------------------------
@@ -149,8 +184,8 @@ def test_a_decode_worker_killed_while_idle_is_restarted_and_the_engine_serves_ag
         assert body["status"] == "restarting", body
         assert body["last_failure"]["worker"] == "decode-0" and body["last_failure"]["exit_status"] == -9
         assert body["last_failure"]["reason"] == "the decode worker died (exit status -9)"
-        assert body["restarts"] == {"count": 1, "limit": 3}
-        assert body["recovery"].startswith("restarting every local worker (restart 1 of 3)")
+        assert body["restarts"] == {"count": 1, "in_window": 1, "limit": 3, "window_s": 600.0}
+        assert body["recovery"].startswith("restarting every local worker (restart 1 of 3 in 600 s)")
         assert eng.health()[0] == 503
         # while it restarts: a request gets 503 and when to come back; the admin views a 503, never a 500
         during = eng.http.post(
@@ -210,12 +245,17 @@ def test_when_the_restart_limit_is_reached_the_engine_is_down_and_says_so() -> N
     with Engine.start(incident_preset(worker_restarts=1)) as eng:
         os.kill(eng.worker_pids()["decode"], signal.SIGKILL)
         assert eng.wait_health("restarting", "down")["status"] == "restarting"
-        assert eng.wait_health("ok", "down")["restarts"] == {"count": 1, "limit": 1}
+        assert eng.wait_health("ok", "down")["restarts"] == {
+            "count": 1,
+            "in_window": 1,
+            "limit": 1,
+            "window_s": 600.0,
+        }
         assert eng.complete("alice", "ALICE pin 48213X; " * 8, max_tokens=6).status == 200
         os.kill(eng.worker_pids()["decode"], signal.SIGKILL)
         body = eng.wait_health("down")
         assert eng.health()[0] == 503
-        assert body["restarts"] == {"count": 1, "limit": 1}
+        assert body["restarts"] == {"count": 1, "in_window": 1, "limit": 1, "window_s": 600.0}
         assert body["last_failure"]["reason"] == "the decode worker died (exit status -9)"
         plain = "the router will not restart the workers any more: it has restarted them 1 time"
         assert plain in body["recovery"] and "--worker-restarts 1" in body["recovery"]
@@ -293,7 +333,7 @@ def test_a_worker_from_another_host_is_not_restarted_and_the_engine_says_so(tmp_
         worker.kill()
         body = eng.wait_health("down", timeout_s=30)
         assert body["last_failure"]["worker"] == "decode-0" and body["last_failure"]["remote"]
-        assert body["restarts"] == {"count": 0, "limit": 3}
+        assert body["restarts"] == {"count": 0, "in_window": 0, "limit": 3, "window_s": 600.0}
         assert "run on another host (--remote decode)" in body["recovery"]
         r = eng.complete("alice", "ALICE pin 48213X; " * 8, max_tokens=6)
         assert r.status == 503 and r.error is not None and r.error["code"] == "engine_down", r.error
