@@ -115,7 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     pool = _pool_config(args, 2 * args.context_length)
     engine = Engine(pool=pool, context_length=args.context_length, attention=args.attention)
     print(engine.pool.describe(), file=sys.stderr)
-    req = engine.submit(args.tenant, ids, args.max_tokens, args.temperature)
+    req = engine.submit(args.tenant, ids, args.max_tokens, args.temperature, args.seed, args.stop or ())
     engine.run()
     if req.outcome is Outcome.REJECTED:
         print(f"minigrid generate: rejected: {req.error}", file=sys.stderr)
@@ -357,6 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", type=argparse.FileType("rb"), help="read the prompt (UTF-8) from a file")
     g.add_argument("--max-tokens", type=positive_int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, help="seed of the sampler when --temperature is above 0 (0)")
+    g.add_argument(
+        "--stop", action="append", metavar="TEXT", help="end the answer at this text, left out (repeatable)"
+    )
     g.add_argument("--context-length", type=positive_int, default=1024)
     g.add_argument(
         "--attention", choices=["torch", "triton"], default="torch", help="paged attention backend (torch)"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,11 +109,17 @@ class Engine:
         max_tokens: int = 16,
         temperature: float = 0.0,
         seed: int | None = None,
+        stop: Sequence[str] = (),
     ) -> Request:
-        """Queue a request; too long for the context or the pool: finished at once as rejected."""
+        """Queue a request; too long for the context or the pool: finished at once as rejected.
+
+        `stop`: texts that end the answer when it ends with one (left out of it, as the server
+        does)."""
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
         if not ids:
             raise BadInput("prompt is empty: send at least one token")
+        if any(s == "" for s in stop):
+            raise BadInput("a stop sequence is empty: give at least one character")
         req = Request(
             f"req-{next(self._ids)}",
             tenant,
@@ -120,6 +127,7 @@ class Engine:
             validate_max_tokens(max_tokens),
             validate_temperature(temperature),
             seed,
+            stop=tuple(tuple(self.tokenizer.encode(s)) for s in stop),
         )
         need = req.prompt_len + req.max_tokens
         if need > self.context_length or need > self.pool.capacity_tokens:
@@ -170,9 +178,10 @@ class Engine:
         prompts: list[str],
         max_tokens: int = 16,
         temperature: float = 0.0,
+        stop: Sequence[str] = (),
     ) -> list[Completion]:
         """Submit `prompts` as `tenant`, run to completion, return their completions in order."""
-        reqs = [self.submit(tenant, p, max_tokens, temperature) for p in prompts]
+        reqs = [self.submit(tenant, p, max_tokens, temperature, stop=stop) for p in prompts]
         self.run()
         return [Completion.of(r, self.tokenizer) for r in reqs]
 
@@ -193,10 +202,17 @@ class Engine:
             req.first_token_at = time.time()
 
     def _retire(self) -> list[Request]:
-        done = [r for r in self.running if len(r.output_ids) >= r.max_tokens]
-        for r in done:
+        done = []
+        for r in list(self.running):
+            if r.cut_at_stop():
+                outcome = Outcome.STOP
+            elif len(r.output_ids) >= r.max_tokens:
+                outcome = Outcome.LENGTH
+            else:
+                continue
             self.running.remove(r)
             self.pool.release(r.request_id)
             self._generators.pop(r.request_id, None)
-            r.finish(Outcome.LENGTH, self.trace)
+            r.finish(outcome, self.trace)
+            done.append(r)
         return done

@@ -19,6 +19,8 @@ from cli_run import minigrid
         (["pool", "--pool-memory", "1KiB"], "memory budget of 1024 bytes is smaller than one page"),
         (["generate", "--prompt", ""], "prompt is empty"),
         (["generate", "--prompt", "hi", "--max-tokens", "-3"], "-3 must be at least 1"),
+        (["generate", "--prompt", "hi", "--stop", ""], "a stop sequence is empty"),
+        (["generate", "--prompt", "hi", "--temperature", "3"], "temperature must be between 0 and 2, got 3"),
         (["bogus"], "invalid choice: 'bogus'"),
         (
             ["check-protocol", "--requests", "alice:9"],
@@ -59,6 +61,16 @@ def test_generate_copies_a_record() -> None:
     records = re.findall(r"ZED [a-z]+ [A-Z0-9]+; ", proc.stdout)
     assert records and all(r in prompt for r in records), proc.stdout
     assert "engine KV pool: 2048 tokens in 16 pages" in proc.stderr
+
+
+def test_generate_ends_at_a_stop_text_and_leaves_it_out() -> None:
+    prompt = "ZED pin 7Q2M4K; ZED card PX81KQ0A; " * 6
+    whole = minigrid("generate", "--prompt", prompt, "--max-tokens", "40", "--tenant", "zed")
+    cut = minigrid("generate", "--prompt", prompt, "--max-tokens", "40", "--tenant", "zed", "--stop", "; ")
+    assert whole.returncode == 0 and cut.returncode == 0, cut.stderr
+    answer = cut.stdout.removesuffix("\n")
+    assert "; " in whole.stdout and "; " not in answer, cut.stdout
+    assert whole.stdout.startswith(answer + "; "), (whole.stdout, cut.stdout)
 
 
 def test_generate_rejects_a_prompt_over_the_context() -> None:

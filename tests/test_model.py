@@ -138,3 +138,13 @@ def test_sampling_is_seeded(model) -> None:
     engine.run()
     assert a.output_ids == b.output_ids
     assert torch.is_grad_enabled()
+
+
+def test_a_stop_text_ends_the_answer_and_frees_its_pages(model) -> None:
+    engine = Engine(model=model, pool=PoolConfig(1024, 128), context_length=512)
+    prompt = "ZED pin 7Q2M4K; ZED card PX81KQ0A; " * 4
+    [whole] = engine.generate("zed", [prompt], max_tokens=30)
+    [cut] = engine.generate("zed", [prompt], max_tokens=30, stop=["; ", "never"])
+    assert whole.outcome is Outcome.LENGTH and "; " in whole.text
+    assert cut.outcome is Outcome.STOP and whole.text.startswith(cut.text + "; "), (whole.text, cut.text)
+    assert engine.pool.pages_in_use() == 0
