@@ -147,4 +147,4 @@ def test_a_stop_text_ends_the_answer_and_frees_its_pages(model) -> None:
     [cut] = engine.generate("zed", [prompt], max_tokens=30, stop=["; ", "never"])
     assert whole.outcome is Outcome.LENGTH and "; " in whole.text
     assert cut.outcome is Outcome.STOP and whole.text.startswith(cut.text + "; "), (whole.text, cut.text)
-    assert engine.pool.pages_in_use() == 0
+    assert engine.pool.pages_in_use == 0
