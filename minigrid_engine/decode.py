@@ -361,11 +361,8 @@ class DecodeScheduler:
 
     def _retire(self) -> None:
         for r in list(self.running):
-            if r.cut_at_stop():
-                outcome = Outcome.STOP
-            elif len(r.output_ids) >= r.max_tokens:
-                outcome = Outcome.LENGTH
-            else:
+            outcome = r.completed()
+            if outcome is None:
                 continue
             self.running.remove(r)
             self._release(r)

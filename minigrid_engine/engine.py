@@ -204,11 +204,8 @@ class Engine:
     def _retire(self) -> list[Request]:
         done = []
         for r in list(self.running):
-            if r.cut_at_stop():
-                outcome = Outcome.STOP
-            elif len(r.output_ids) >= r.max_tokens:
-                outcome = Outcome.LENGTH
-            else:
+            outcome = r.completed()
+            if outcome is None:
                 continue
             self.running.remove(r)
             self.pool.release(r.request_id)

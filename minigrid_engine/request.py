@@ -99,6 +99,15 @@ class Request:
                 return True
         return False
 
+    def completed(self) -> Outcome | None:
+        """After a new token: ``stop`` if the output now ends with a stop sequence (cut off),
+        ``length`` if it reached `max_tokens`, None while the request goes on."""
+        if self.cut_at_stop():
+            return Outcome.STOP
+        if len(self.output_ids) >= self.max_tokens:
+            return Outcome.LENGTH
+        return None
+
     def finished(self) -> bool:
         """True once an outcome is set. Like SGLang's `Req.finished()`: blind to `pending_finish`."""
         return self.outcome is not None
