@@ -156,7 +156,7 @@ def correctness(device: torch.device, smoke: bool) -> dict[str, Any]:
                     c["q"], c["k"], c["v"], c["table"], c["lens"], num_splits=splits
                 )
                 row[f"decode_splits{splits}_max_err"] = float((out.float() - ref).abs().max())
-            tags = torch.randint(0, 3, (c["k"].shape[0],), device=device)
+            tags = torch.randint(0, 3, tuple(c["k"].shape[:2]), device=device)  # a writer per slot
             reader = torch.randint(0, 3, (len(lens),), device=device)
             _, foreign = kernels.paged_decode_attention_checked(
                 c["q"], c["k"], c["v"], c["table"], c["lens"], tags, reader
@@ -227,7 +227,7 @@ def decode_row(batch: int, context: int, s: Shapes, device: torch.device, peak_g
     """The Triton kernel (tile sweep), its owner-check variant and torch SDPA at one shape."""
     q, k, v, table, lens = decode_inputs(batch, context, s, device)
     page, blocks = s.page_size, table.shape[1]
-    tags = torch.ones(k.shape[0], dtype=torch.int64, device=device)  # the reader's own pages:
+    tags = torch.ones(k.shape[:2], dtype=torch.int64, device=device)  # the reader's own slots:
     reader = torch.ones(batch, dtype=torch.int64, device=device)  # the check runs, flags nothing
     elem = torch.tensor([], dtype=q.dtype).element_size()
     row: dict[str, Any] = {"batch": batch, "context": context, "kv_bytes": kv_bytes(batch, context, s, elem)}

@@ -72,18 +72,23 @@ def paged_decode_attention(
 
 
 def foreign_pages(
-    page_tags: torch.Tensor,
+    slot_tags: torch.Tensor,
     reader_tags: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     page_size: int,
 ) -> torch.Tensor:
     """The `owner-check` at the memory read: [B, max_blocks] True where a page about to be read
-    was last written by someone other than the reader. Padding blocks are never flagged."""
-    tags = page_tags[block_tables]  # read beside the K/V, through the same block table
-    n_blocks = (seq_lens + page_size - 1) // page_size
-    valid = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < n_blocks[:, None]
-    return (tags != reader_tags[:, None]) & valid
+    holds a slot, among those read, last written by someone other than the reader.
+
+    slot_tags: [n_pages, page_size], the writer of each slot (`KVPool.writer_tags`), read beside
+    the K/V through the same block table. Per slot: a page whose first slot the reader wrote (a
+    one-token stub) is still flagged when it reads the slots after it. Padding is never flagged."""
+    tags = slot_tags[block_tables]  # [B, max_blocks, page_size]
+    blocks = torch.arange(block_tables.shape[1], device=block_tables.device)
+    positions = blocks[:, None] * page_size + torch.arange(page_size, device=block_tables.device)[None, :]
+    read = positions[None] < seq_lens[:, None, None]
+    return ((tags != reader_tags[:, None, None]) & read).any(dim=-1)
 
 
 def paged_prefill_attention(

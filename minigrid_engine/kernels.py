@@ -11,7 +11,7 @@ arguments, same result), so `ModelRunner(..., attention="triton")` can switch:
   token's page in the block table, with an online softmax; with several splits per request a
   second kernel combines them (split-K, for long contexts on a GPU with many SMs);
 - `paged_decode_attention_checked`: the decode kernel with the `owner-check` fix inside it: for
-  every page it reads, it also reads the page's last-writer tag through the same block table and
+  every token it reads, it also reads that slot's last-writer tag through the same block table and
   flags the page when the tag is not the reader's (`attention.foreign_pages`, at the read).
 
 `decode(..., record=True)` also returns the page each program read, and `kernel_reads(pool, ...)`
@@ -137,7 +137,7 @@ def _decode_kernel(
     SeqLens,  # [B] tokens to attend over (>= 1)
     PartOut,  # [B, n_heads, n_splits, head_dim] float32: this split's normalised output
     PartLse,  # [B, n_heads, n_splits] float32: log2 of sum(2^scores) over this split (its weight)
-    PageTags,  # [n_pages] int64 last-writer tag of each page (owner-check only)
+    SlotTags,  # [n_pages, page_size] int64 last-writer tag of each slot (owner-check only)
     ReaderTags,  # [B] int64 the reading request's tag (owner-check only)
     Foreign,  # [B, max_blocks] int8 out: 1 where the page read was last written by someone else
     PagesRead,  # [B, n_kv_heads, max_blocks] int64 out: the page each program read (record only)
@@ -213,13 +213,15 @@ def _decode_kernel(
         tok_ok = n < tok_end
         block = n // page_size
         page = tl.load(BlockTables + b * stride_bb + block, mask=tok_ok, other=0).to(tl.int64)
-        if OWNER_CHECK:  # the fix, at the read: whose data is this page, by its own tag?
-            # (every kv head's program reads the page, so each checks it: same flag, same slot)
-            tag = tl.load(PageTags + page, mask=tok_ok, other=0)
-            tl.store(Foreign + b * stride_fb + block, (tag != reader).to(tl.int8), mask=tok_ok)
+        offset = n % page_size
+        if OWNER_CHECK:  # the fix, at the read: whose data is this slot, by its own tag?
+            # Only flags are stored (1), so programs of other kv heads, and tokens of the same page,
+            # never race to write different values into one flag.
+            tag = tl.load(SlotTags + page * page_size + offset, mask=tok_ok, other=0)
+            flag = tl.full([BLOCK_N], 1, dtype=tl.int8)
+            tl.store(Foreign + b * stride_fb + block, flag, mask=tok_ok & (tag != reader))
         if RECORD:
             tl.store(PagesRead + b * stride_rb + kv_head * stride_rh + block, page, mask=tok_ok)
-        offset = n % page_size
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
         k_row = page * stride_kp + offset * stride_kt + kv_head * stride_kh  # token n's key
         k = tl.load(KCache + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -472,7 +474,7 @@ def decode(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    page_tags: torch.Tensor | None = None,
+    slot_tags: torch.Tensor | None = None,
     reader_tags: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
@@ -487,8 +489,13 @@ def decode(
     b, n_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
     max_blocks = block_tables.shape[1]
-    if (page_tags is None) != (reader_tags is None):
-        raise ValueError("owner-check needs both page_tags and reader_tags")
+    if (slot_tags is None) != (reader_tags is None):
+        raise ValueError("owner-check needs both slot_tags and reader_tags")
+    if slot_tags is not None and tuple(slot_tags.shape) != tuple(k_cache.shape[:2]):
+        raise ValueError(
+            f"slot_tags has shape {tuple(slot_tags.shape)}: one tag per slot, "
+            f"{tuple(k_cache.shape[:2])} (pages, page size) for this cache"
+        )
     tiles = tiles or Tiles.default(q.device, q.dtype)
     want = num_splits or default_splits(b, kv_heads, max_blocks, q.device)
     per_split = triton.cdiv(max_blocks, max(1, min(want, max_blocks)))
@@ -497,7 +504,7 @@ def decode(
     block_tables = block_tables.contiguous()
     part_out = torch.empty(b, n_heads, splits, head_dim, dtype=torch.float32, device=dev)
     part_lse = torch.empty(b, n_heads, splits, dtype=torch.float32, device=dev)
-    check = page_tags is not None
+    check = slot_tags is not None
     foreign = torch.zeros(b, max_blocks, dtype=torch.int8, device=dev) if check else None
     pages_read = torch.full((b, kv_heads, max_blocks), -1, dtype=torch.int64, device=dev) if record else None
     unused = torch.zeros(1, 1, 1, dtype=torch.int64, device=dev)  # pointer for a feature turned off
@@ -511,7 +518,7 @@ def decode(
         seq_lens,
         part_out,
         part_lse,
-        page_tags if page_tags is not None else unused,
+        slot_tags.contiguous() if slot_tags is not None else unused,
         reader_tags if reader_tags is not None else unused,
         f,
         r,
@@ -592,7 +599,7 @@ def paged_decode_attention_checked(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    page_tags: torch.Tensor,
+    slot_tags: torch.Tensor,
     reader_tags: torch.Tensor,
     *,
     num_splits: int | None = None,
@@ -600,12 +607,12 @@ def paged_decode_attention_checked(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode with the `owner-check` at the memory read: (output, foreign [B, max_blocks] bool).
 
-    page_tags: [n_pages] int64 last-writer tag of each page (`KVPool.writer_tags`); reader_tags:
-    [B] int64 (`KVPool.tag_of`). `foreign` equals `attention.foreign_pages(page_tags,
-    reader_tags, block_tables, seq_lens, page_size)`, computed by the kernel from the tags it
-    read beside the K/V.
+    slot_tags: [n_pages, page_size] int64 last-writer tag of each slot (`KVPool.writer_tags`);
+    reader_tags: [B] int64 (`KVPool.tag_of`). `foreign` equals `attention.foreign_pages(slot_tags,
+    reader_tags, block_tables, seq_lens, page_size)`, computed by the kernel from the tag it
+    reads beside each token's K/V.
     """
-    tags = (page_tags, reader_tags)
+    tags = (slot_tags, reader_tags)
     run = decode(q, k_cache, v_cache, block_tables, seq_lens, *tags, num_splits=num_splits, tiles=tiles)
     assert run.foreign is not None
     return run.out, run.foreign
@@ -680,9 +687,11 @@ def kernel_reads(
     """Run the owner-checked decode kernel over `pool`'s pages and say what each program read.
 
     One row per (request, kv head, block) that a program read: the program's grid index
-    (request, kv head, split), the page the block table sent it to, who last wrote that page
-    (the pool's owner table), and whether the kernel's owner-check flagged it. The query is
-    random: which pages are read does not depend on it, only on the block table and the length.
+    (request, kv head, split), the page the block table sent it to, who wrote the slots it read
+    there (`slot_writers`: request -> slots, from the pool's slot tags; `last_writer` and
+    `last_writer_tenant`: the other request that wrote most of them, or the reader when none
+    did), and whether the kernel's owner-check flagged it. The query is random: which pages are
+    read does not depend on it, only on the block table and the length.
     """
     device = pool.k.device
     mc = pool.model_cfg
@@ -709,7 +718,10 @@ def kernel_reads(
             for block, page in enumerate(run.pages_read[b, kv_head].tolist()):
                 if page < 0:
                     continue  # past the request's length: never read
-                info = pool.pages[page]
+                read = min(pool.page_size, seq_lens[b] - block * pool.page_size)
+                writers = pool.slot_writers(page, read)
+                others = [w for w in writers if w[0] != reader]
+                writer, tenant = max(others, key=writers.__getitem__) if others else next(iter(writers))
                 rows.append(
                     {
                         "request": reader,
@@ -717,8 +729,9 @@ def kernel_reads(
                         "kv_head": kv_head,
                         "block": block,
                         "page": page,
-                        "last_writer": info.last_writer,
-                        "last_writer_tenant": info.last_writer_tenant,
+                        "slot_writers": {w[0]: n for w, n in writers.items()},
+                        "last_writer": writer,
+                        "last_writer_tenant": tenant,
                         "flagged": bool(run.foreign[b, block]),
                     }
                 )

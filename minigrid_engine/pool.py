@@ -122,10 +122,13 @@ class KVPool:
         self.k.zero_()  # deterministic start (tests); freed pages are never zeroed afterwards
         self.v.zero_()
         self.pages = [PageInfo() for _ in range(cfg.n_pages)]
-        # Last writer of each page as a number, beside the K/V, so that attention itself can check
-        # it (the `owner-check` fix). 0 = never written or scrubbed.
-        self.writer_tags = torch.zeros(cfg.n_pages, dtype=torch.int64, device=device)
+        # Last writer of each slot as a number, beside the K/V, so that attention itself can check
+        # every token it reads (the `owner-check` fix): [n_pages, page_size], 0 = never written or
+        # scrubbed. Per slot, not per page: a one-token stub in slot 0 leaves the other slots of
+        # the page whoever wrote them before.
+        self.writer_tags = torch.zeros(cfg.n_pages, cfg.page_size, dtype=torch.int64, device=device)
         self._tags: dict[str, int] = {}
+        self._writer_of: dict[int, tuple[str, str]] = {}  # tag -> (request, tenant)
         self._next_tag = 0
         self._free: list[int] = list(range(cfg.n_pages - 1, -1, -1))  # top of stack = end
         self._held: dict[str, Reservation] = {}
@@ -253,10 +256,19 @@ class KVPool:
     def tag_of(self, request: str) -> int:
         """A request's number in `writer_tags` (stable while it lives)."""
         tag = self._tags.get(request)
-        if tag is None:  # never reused: a page may still carry a dead request's tag
+        if tag is None:  # never reused: a slot may still carry a dead request's tag
             self._next_tag += 1
             tag = self._tags[request] = self._next_tag
         return tag
+
+    def slot_writers(self, page: int, n_slots: int | None = None) -> dict[tuple[str | None, str | None], int]:
+        """Who wrote the first `n_slots` slots of `page` (all of them by default): (request,
+        tenant) -> slots; (None, None) for slots never written or scrubbed."""
+        counts: dict[tuple[str | None, str | None], int] = {}
+        for tag in self.writer_tags[page, : self.page_size if n_slots is None else n_slots].tolist():
+            who = self._writer_of.get(tag, (None, None))
+            counts[who] = counts.get(who, 0) + 1
+        return counts
 
     def release_pages(self, request: str, pages: list[int]) -> None:
         """Release some pages of `request` (e.g. a trailing page it no longer needs)."""
@@ -304,22 +316,47 @@ class KVPool:
         return list(self._held)
 
     def note_write(self, request: str, tenant: str, pages: list[int]) -> None:
-        """Record in the owner table that `request` wrote K/V into `pages`."""
-        self.note_writes([(request, tenant, p) for p in pages])
+        """Record that `request` wrote every slot of `pages` (a KV transfer copies whole pages)."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.writer_tags.device)
+        self.writer_tags.index_fill_(0, index, self._writer_tag(request, tenant))
+        self._note_pages(request, tenant, pages)
 
-    def note_writes(self, writes: list[tuple[str, str, int]]) -> None:
-        """Record several (request, tenant, page) writes at once (one decode step of a batch)."""
+    def note_span(self, request: str, tenant: str, pages: list[int], start: int, end: int) -> None:
+        """Record that `request` wrote positions ``start .. end-1`` of the block table `pages`
+        (a prefill): only those slots; the rest of a page keeps whoever wrote it before."""
+        if end <= start:
+            return
+        device = self.writer_tags.device
+        table = torch.tensor(pages, dtype=torch.long, device=device)
+        positions = torch.arange(start, end, device=device)
+        slots = table[positions // self.page_size] * self.page_size + positions % self.page_size
+        self.writer_tags.view(-1)[slots] = self._writer_tag(request, tenant)
+        self._note_pages(request, tenant, pages[start // self.page_size : (end - 1) // self.page_size + 1])
+
+    def note_writes(self, writes: list[tuple[str, str, int, int]]) -> None:
+        """Record several (request, tenant, page, offset) one-token writes at once (a decode step)."""
         if not writes:
             return
+        device = self.writer_tags.device
+        slots = torch.tensor([page * self.page_size + off for _, _, page, off in writes], device=device)
+        tags = torch.tensor([self._writer_tag(r, t) for r, t, _, _ in writes], device=device)
+        self.writer_tags.view(-1)[slots] = tags
+        for request, tenant, page, _ in writes:
+            self._note_pages(request, tenant, [page])
+
+    def _writer_tag(self, request: str, tenant: str) -> int:
+        tag = self.tag_of(request)
+        self._writer_of[tag] = (request, tenant)
+        if len(self._writer_of) > 2 * self.writer_tags.numel():  # forget writers no slot holds now
+            live = set(self.writer_tags.unique().tolist()) | {tag}
+            self._writer_of = {t: w for t, w in self._writer_of.items() if t in live}
+        return tag
+
+    def _note_pages(self, request: str, tenant: str, pages: list[int]) -> None:
         now = time.time()
-        tags = []
-        for request, tenant, p in writes:
+        for p in pages:
             info = self.pages[p]
             info.last_writer, info.last_writer_tenant, info.written_at = request, tenant, now
-            tags.append(self.tag_of(request))
-        device = self.writer_tags.device
-        index = torch.tensor([p for _, _, p in writes], dtype=torch.long, device=device)
-        self.writer_tags.index_put_((index,), torch.tensor(tags, dtype=torch.int64, device=device))
 
     def check_integrity(self) -> None:
         """free + owned = total; no page free and owned, or held twice; token budget respected."""

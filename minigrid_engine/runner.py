@@ -50,7 +50,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 class AttentionOps:
     """The paged-attention functions a backend provides, with `attention.py`'s signatures.
 
-    decode_checked(q, k_cache, v_cache, block_tables, seq_lens, page_tags, reader_tags) returns
+    decode_checked(q, k_cache, v_cache, block_tables, seq_lens, slot_tags, reader_tags) returns
     (output, foreign): decode plus the `owner-check` flags of `attention.foreign_pages`.
     """
 
@@ -67,10 +67,10 @@ def _torch_decode_checked(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    page_tags: torch.Tensor,
+    slot_tags: torch.Tensor,
     reader_tags: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    foreign = attention.foreign_pages(page_tags, reader_tags, block_tables, seq_lens, k_cache.shape[1])
+    foreign = attention.foreign_pages(slot_tags, reader_tags, block_tables, seq_lens, k_cache.shape[1])
     return attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens), foreign
 
 
@@ -179,7 +179,7 @@ class ModelRunner:
         tokens = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         logits = self.model(tokens, positions[None], _PagedPrefill(self.pool, table, start, slots, self.ops))
         written = self._pages_covering(pages, start, end)
-        self.pool.note_write(request, tenant, written)
+        self.pool.note_span(request, tenant, pages, start, end)  # those slots only
         trace = self.pool.trace
         trace.emit(WRITE, request, tenant, written, start=start, end=end)
         trace.emit(READ, request, tenant, self._pages_covering(pages, 0, end), kv_len=end)
@@ -207,12 +207,12 @@ class ModelRunner:
         rows = torch.arange(len(items), device=self.device)
         slots = table[rows, positions // p] * p + positions % p
         tokens = torch.tensor([[it.token] for it in items], dtype=torch.long, device=self.device)
+        # This step's K/V goes into each request's slot at `position` before attention reads it.
+        self.pool.note_writes(
+            [(it.request, it.tenant, it.pages[it.position // p], it.position % p) for it in items]
+        )
         reader_tags = None
         if self.owner_check:
-            # a page the reader starts this step is its own from its first slot
-            self.pool.note_writes(
-                [(it.request, it.tenant, it.pages[it.position // p]) for it in items if it.position % p == 0]
-            )
             reader_tags = torch.tensor([self.pool.tag_of(it.request) for it in items], device=self.device)
         backend = _PagedDecode(self.pool, table, positions + 1, slots, reader_tags, self.ops)
         logits = self.model(tokens, positions[:, None], backend)
@@ -223,7 +223,6 @@ class ModelRunner:
                 if bad:
                     self.violations[it.request] = bad
         trace = self.pool.trace
-        self.pool.note_writes([(it.request, it.tenant, it.pages[it.position // p]) for it in items])
         for it in items:
             page = it.pages[it.position // p]
             trace.emit(

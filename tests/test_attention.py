@@ -70,3 +70,19 @@ def test_paged_prefill_matches_contiguous(n, start_frac, page, seed) -> None:
     out = attention.paged_prefill_attention(q, k_cache, v_cache, table, start)
     ref = attention.contiguous_attention(q, keys, vals, q_start=start)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_owner_check_flags_a_page_for_any_foreign_slot_it_reads_and_none_it_does_not() -> None:
+    """Per slot: a page whose first slot the reader wrote (a stub) is flagged for the slots after
+    it; a foreign slot past the read length is not."""
+    me, other = 1, 2
+    tags = torch.full((3, 4), me)  # 3 pages of 4 slots, all the reader's ...
+    tags[2, 3] = other  # ... but the last slot of page 2, read (position 3)
+    tags[0, 2] = other  # ... and slot 2 of page 0, at position 6: past the length
+    table, lens = torch.tensor([[2, 0], [1, 0]]), torch.tensor([6, 4])
+    flags = attention.foreign_pages(tags, torch.tensor([me, me]), table, lens, 4)
+    assert flags.tolist() == [[True, False], [False, False]]  # request 2 reads page 1 only
+    assert attention.foreign_pages(tags, torch.tensor([other, me]), table, lens, 4).tolist() == [
+        [True, True],
+        [False, False],
+    ]

@@ -101,12 +101,17 @@ def test_owner_check_kernel_flags_what_foreign_pages_flags(lens, page, splits, s
     k_cache, v_cache, table = _paged(lens, page, 2, 16, gen)
     q = torch.randn(len(lens), 4, 16, generator=gen).to(DEVICE)
     seq_lens = torch.tensor(lens, device=DEVICE)
-    page_tags = torch.randint(0, 3, (k_cache.shape[0],), generator=gen).to(DEVICE)
+    # one writer per page, and now and then a slot written by another: the flag is per slot read
+    n_pages = k_cache.shape[0]
+    slot_tags = torch.randint(0, 3, (n_pages, 1), generator=gen).expand(n_pages, page).clone()
+    odd = torch.rand(n_pages, page, generator=gen) < 2 / page
+    slot_tags[odd] = torch.randint(0, 3, (int(odd.sum()),), generator=gen)
+    slot_tags = slot_tags.to(DEVICE)
     reader_tags = torch.randint(0, 3, (len(lens),), generator=gen).to(DEVICE)
     out, foreign = kernels.paged_decode_attention_checked(
-        q, k_cache, v_cache, table, seq_lens, page_tags, reader_tags, num_splits=splits
+        q, k_cache, v_cache, table, seq_lens, slot_tags, reader_tags, num_splits=splits
     )
-    expected = attention.foreign_pages(page_tags, reader_tags, table, seq_lens, page)
+    expected = attention.foreign_pages(slot_tags, reader_tags, table, seq_lens, page)
     assert foreign.dtype == torch.bool and torch.equal(foreign, expected)
     ref = attention.paged_decode_attention(q, k_cache, v_cache, table, seq_lens)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -219,8 +224,9 @@ def test_stale_block_table_leaks_through_the_triton_kernel_and_owner_check_flags
         flagged.append(runner.violations.get("bob-1", []))
     text = engine.tokenizer.decode(out)
     assert set(CODE.findall(text)) & alice_codes, f"bob's answer {text!r} should hold alice's codes"
-    # the kernel's owner-check saw it at every step: blocks 2-5 were last written by alice
-    assert all(f == bob.pages[1:5] for f in flagged), flagged
+    # the kernel's owner-check saw it at every step: blocks 1-5 hold alice's slots, block 1 too
+    # (the stub wrote its first slot only); block 6 never: bob writes each slot before he reads it
+    assert all(f == bob.pages[0:5] for f in flagged), flagged
     assert {pool.pages[p].last_writer for p in bob.pages[1:5]} == {a.request_id}
     # the lab's view of the same read: each program's pages, their last writers, the flags
     reads = kernels.kernel_reads(pool, [bob.pages], [640 + 24], ["bob-1"])
@@ -290,7 +296,7 @@ def signature(fn, pointers, floats, constexprs):
     return {n: kind(n) for n in fn.arg_names}
 
 half = dict(Q="*fp16", KCache="*fp16", VCache="*fp16", BlockTables="*i64", SeqLens="*i64", PartOut="*fp32",
-            PartLse="*fp32", PageTags="*i64", ReaderTags="*i64", Foreign="*i8", PagesRead="*i64")
+            PartLse="*fp32", SlotTags="*i64", ReaderTags="*i64", Foreign="*i8", PagesRead="*i64")
 decode = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, OWNER_CHECK=True, RECORD=True,
               PRECISION="tf32")
 prefill = dict(GROUP=2, HEAD_DIM=32, BLOCK_M=32, BLOCK_D=32, BLOCK_N=32, PRECISION="ieee")

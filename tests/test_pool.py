@@ -167,3 +167,22 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestPoolMachine = PoolMachine.TestCase
+
+
+def test_writer_tags_are_per_slot_a_stub_leaves_the_rest_of_its_page_stale() -> None:
+    pool = make_pool(512, 128)
+    alice = pool.reserve("a", "alice", 300)
+    pool.note_span("a", "alice", alice.pages, 0, 300)  # a prefill of 300 tokens
+    assert pool.slot_writers(alice.pages[2]) == {("a", "alice"): 44, (None, None): 84}
+    pool.release("a")
+    bob = pool.reserve("b", "bob", 300)
+    assert bob.pages == alice.pages
+    pool.note_span("b", "bob", bob.pages, 0, 1)  # the one-token stub: slot 0 only
+    assert pool.slot_writers(bob.pages[0]) == {("b", "bob"): 1, ("a", "alice"): 127}
+    assert pool.slot_writers(bob.pages[0], 1) == {("b", "bob"): 1}
+    pool.note_writes([("b", "bob", bob.pages[2], 44)])  # a decode token after alice's 44
+    assert pool.slot_writers(bob.pages[2], 45) == {("a", "alice"): 44, ("b", "bob"): 1}
+    pool.note_write("b", "bob", [bob.pages[1]])  # a transfer: the whole page
+    assert pool.slot_writers(bob.pages[1]) == {("b", "bob"): 128}
+    pool.scrub([bob.pages[0]])
+    assert pool.slot_writers(bob.pages[0]) == {(None, None): 128}
