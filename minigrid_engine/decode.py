@@ -262,6 +262,11 @@ class DecodeScheduler:
             "dropped", writer, tenant, msg.dst_pages, message="page data", room=msg.room, reason=reason
         )
 
+    def tracked(self) -> set[str]:
+        """The requests this role may hold pages for: awaiting their KV, decoding, or quarantined."""
+        live = [*self.transfer.values(), *self.running, *(r for r, _ in self.quarantine.values())]
+        return {r.request_id for r in live}
+
     def fail_all(self, reason: str) -> None:
         """Abort every request this role holds (after an internal error), pages back to the pool."""
         live = [*self.bootstrapping.values(), *self.prealloc, *self.transfer.values(), *self.running]
@@ -340,7 +345,14 @@ class DecodeScheduler:
         for r, row in zip(batch, logits):
             if r.finished():
                 continue
-            r.output_ids.append(sample(row, r.temperature, self._generator(r)))
+            try:
+                r.output_ids.append(sample(row, r.temperature, self._generator(r)))
+            except Exception as exc:  # this request fails; the rest of the batch goes on
+                log.exception("decode: sampling %s failed", r.request_id)
+                self.running.remove(r)
+                self._abort(
+                    r, f"sampling {r.request_id} failed: {type(exc).__name__}: {exc}", "internal_error"
+                )
         self.counters["decoded_tokens"] += len(batch)
         self._stream(batch)
         self._retire()

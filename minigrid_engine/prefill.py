@@ -143,6 +143,12 @@ class PrefillScheduler:
             self.send_decode(abort)
             self.send_router(abort)
 
+    def tracked(self) -> set[str]:
+        """The requests this role may hold pages for: prefilled and waiting to send, or sending."""
+        return {r.request_id for r, _ in self.inflight.values()} | {
+            r.request_id for r in self.sending.values()
+        }
+
     def on_transfer_sent(self, room: int) -> None:
         """The sender has pushed a request's pages and done message out: free its pages."""
         req = self.sending.pop(room, None)
@@ -244,14 +250,14 @@ class PrefillScheduler:
                     self.trace.emit("fault", req.request_id, req.tenant, (), fault=str(fault), room=req.room)
                     raise RuntimeError(f"injected fault {fault}")
                 logits = self.runner.prefill(req.request_id, req.tenant, req.prompt_ids, res.pages)
+                gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+                first = sample(logits, req.temperature, gen)
             except Exception as exc:  # this request fails; the worker and every other request go on
                 self._fail(
                     req, f"prefill failed while computing {req.request_id}: {type(exc).__name__}: {exc}"
                 )
                 done = True
                 continue
-            gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
-            first = sample(logits, req.temperature, gen)
             req.output_ids.append(first)
             req.advance(State.TRANSFERRING, self.trace, role="prefill")
             self.inflight[req.room or 0] = (req, first)

@@ -249,5 +249,8 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     """Greedy at temperature 0 (deterministic); otherwise sample from softmax(logits / T)."""
     if temperature <= 0:
         return int(torch.argmax(logits).item())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # Shift so the largest logit is 0 before dividing, in float64: a temperature of 1e-300 (within
+    # 0-2, so allowed) then gives 0 for the best token and -inf, never NaN, for the others.
+    scaled = (logits.double() - logits.max().double()) / temperature
+    probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())

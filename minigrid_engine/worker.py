@@ -285,6 +285,12 @@ class Worker:
         if q.kind == "integrity":  # between two steps of this loop: the pool is at rest
             try:
                 self.pool.check_integrity()
+                orphans = sorted(set(self.pool.holders()) - self.scheduler.tracked())
+                if orphans:  # pages nobody will ever release: a leak, whatever the counts say
+                    held = ", ".join(f"{r} ({len(self.pool.reservation(r).pages)} pages)" for r in orphans)
+                    raise PoolError(
+                        f"{self.role} pool: pages held by requests this worker no longer tracks: {held}"
+                    )
             except PoolError as exc:
                 return {"ok": False, "error": str(exc), "pages_in_use": self.pool.pages_in_use, **me}
             return {"ok": True, "error": None, "pages_in_use": self.pool.pages_in_use, **me}

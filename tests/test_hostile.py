@@ -501,6 +501,35 @@ def test_a_client_that_leaves_a_stream_frees_its_pages_at_once(engine: Engine) -
     assert ends[-1]["detail"]["outcome"] == "aborted" and ends[-1]["detail"]["error"] == "client disconnected"
 
 
+@pytest.mark.parametrize("temperature", [3e-38, 1e-300, 5e-324])
+def test_a_tiny_temperature_is_near_greedy_and_harms_no_one_else(engine: Engine, temperature: float) -> None:
+    """Within 0-2, so allowed: 1/T overflows float32 (and float64 at 5e-324). The request is
+    answered (almost surely the greedy answer), and carol, decoding in the same batch, is too."""
+
+    async def both() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=engine.url, timeout=60) as client:
+            carol = asyncio.create_task(
+                client.post(
+                    "/v1/completions",
+                    json={"prompt": "CAROL note 5512; " * 5, "max_tokens": 120},
+                    headers={"Authorization": "Bearer sk-carol"},
+                )
+            )
+            await asyncio.sleep(0.5)  # carol is decoding
+            body = {"prompt": PROMPT, "max_tokens": 12, "temperature": temperature, "seed": 1}
+            alice = await client.post("/v1/completions", json=body, headers=ALICE)
+            return alice, await carol
+
+    alice, carol = asyncio.run(both())
+    greedy = engine.complete("alice", PROMPT, max_tokens=12)
+    assert alice.status_code == 200, alice.text
+    assert alice.json()["choices"][0]["text"] == greedy.text
+    assert carol.status_code == 200 and "CAROL" in carol.json()["choices"][0]["text"], carol.text
+    assert wait_pages_free(engine), pages_in_use(engine)
+    check = engine.http.get("/v1/minigrid/integrity", headers={"Authorization": f"Bearer {engine.admin_key}"})
+    assert check.json()["ok"], check.json()
+
+
 # -- tenancy ---------------------------------------------------------------------------------
 def test_tenants_see_only_their_own_requests(engine: Engine) -> None:
     with httpx.Client(base_url=engine.url, timeout=60) as c:
