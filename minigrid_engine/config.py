@@ -38,6 +38,20 @@ def _whole(name: str, value: object, minimum: int = 1) -> int:
     return value
 
 
+ADMIN = "admin"  # who the admin key is, in the router and the handle: no tenant may be called that
+
+
+def check_admin_key(tenants: dict[str, str], admin_key: str | None) -> None:
+    """The admin key must be no tenant's key: otherwise it would let that tenant in, not the admin."""
+    if not admin_key:
+        return
+    for name, key in tenants.items():
+        if key == admin_key:
+            raise ConfigError(
+                f"the admin key is also the key of tenant {name!r}: give the admin a key of its own"
+            )
+
+
 def parse_tenants(text: str) -> dict[str, str]:
     """'alice:sk-a,bob:sk-b' -> {'alice': 'sk-a', 'bob': 'sk-b'}."""
     tenants: dict[str, str] = {}
@@ -126,6 +140,11 @@ class ServeConfig:
         for name, key in self.tenants.items():
             if not key.strip():  # an empty key would let "Authorization: Bearer " in as that tenant
                 raise ConfigError(f"tenant {name!r} has an empty API key")
+            if name == ADMIN:
+                raise ConfigError(
+                    f"a tenant may not be called {ADMIN!r}: the name stands for the admin key (--admin-key)"
+                )
+        check_admin_key(self.tenants, self.admin_key)
         _whole("--worker-restarts", self.worker_restarts, 0)
         if self.worker_restarts > MAX_WORKER_RESTARTS:
             raise ConfigError(

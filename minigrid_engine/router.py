@@ -38,7 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minigrid_engine import openai_api as oai
-from minigrid_engine.config import MODEL_ID, ROLES, ServeConfig
+from minigrid_engine.config import ADMIN, MODEL_ID, ROLES, ServeConfig, check_admin_key
 from minigrid_engine.errors import ConfigError, MinigridError
 from minigrid_engine.fixes import BUILT, FIXES, Fixes, parse_fixes
 from minigrid_engine.messages import (
@@ -254,6 +254,7 @@ class Router:
         self.tokenizer = ByteTokenizer()
         self.bodies = oai.Bodies(cfg.context_length, self.tokenizer)
         self.admin_key = cfg.admin_key or os.environ.get("MINIGRID_ADMIN_KEY")
+        check_admin_key(cfg.tenants, self.admin_key)
         self.workers: dict[str, WorkerLink] = {}  # by worker id: prefill-0, decode-1...
         self.pairing = Pairing({role: cfg.workers(role) for role in ROLES})
         self._rooms = itertools.count(1)
@@ -734,7 +735,7 @@ class Router:
             if hmac.compare_digest(key, k.encode()):
                 found = name
         if self.admin_key and hmac.compare_digest(key, self.admin_key.encode()):
-            found = found or "admin"
+            found = found or ADMIN
         return found
 
     def next_room(self) -> int:
@@ -1026,7 +1027,7 @@ class Router:
                     "fixes": c.fixes.names(),
                     "you": tenant,  # "admin" for the admin key, else the key's tenant
                     # a tenant learns its own name only, never who else the engine serves
-                    "tenants": sorted(c.tenants) if tenant == "admin" else [tenant],
+                    "tenants": sorted(c.tenants) if tenant == ADMIN else [tenant],
                     "startup_log": router.startup_log,
                 }
             )
@@ -1038,7 +1039,7 @@ class Router:
             tenant = router.tenant_of(request.headers.get("authorization"))
             if tenant is None:
                 return unauthorized()
-            if tenant != "admin":
+            if tenant != ADMIN:
                 return api_error(
                     403, "only the admin key may switch the fixes", "invalid_request_error", "forbidden"
                 )
@@ -1081,7 +1082,7 @@ class Router:
             tenant = router.tenant_of(request.headers.get("authorization"))
             if tenant is None:
                 return unauthorized()
-            if tenant != "admin":
+            if tenant != ADMIN:
                 return admin_only("the page pools")
             if (why := router.refusal()) is not None:
                 return busy(*why)
@@ -1100,7 +1101,7 @@ class Router:
             tenant = router.tenant_of(request.headers.get("authorization"))
             if tenant is None:
                 return unauthorized()
-            if tenant != "admin":
+            if tenant != ADMIN:
                 return admin_only("the pool integrity checks")
             if (why := router.refusal()) is not None:
                 return busy(*why)
@@ -1135,7 +1136,7 @@ class Router:
                 )
             if (why := router.refusal()) is not None:
                 return busy(*why)
-            only = None if tenant == "admin" else tenant
+            only = None if tenant == ADMIN else tenant
             # each worker numbers its own events: `since` with `worker` (or `role`, when the role
             # has one worker) pages through one of them; every event names its worker
             try:

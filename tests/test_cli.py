@@ -22,6 +22,11 @@ from cli_run import minigrid
         (["generate", "--prompt", "hi", "--stop", ""], "a stop sequence is empty"),
         (["generate", "--prompt", "hi", "--temperature", "3"], "temperature must be between 0 and 2, got 3"),
         (["bogus"], "invalid choice: 'bogus'"),
+        (["serve", "--preset", "corrected", "--tenants", "admin:sk-t"], "a tenant may not be called 'admin'"),
+        (
+            ["serve", "--preset", "corrected", "--tenants", "alice:sk-a", "--admin-key", "sk-a"],
+            "the admin key is also the key of tenant 'alice'",
+        ),
         (
             ["check-protocol", "--requests", "alice:9"],
             "alice-1: 9 pages; prompts run from 1 page to the context",
