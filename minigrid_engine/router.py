@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minigrid_engine import openai_api as oai
 from minigrid_engine.config import ADMIN, MODEL_ID, ROLES, ServeConfig, check_admin_key
-from minigrid_engine.errors import ConfigError, MinigridError
+from minigrid_engine.errors import REFUSED_TO_START, ConfigError, MinigridError
 from minigrid_engine.fixes import BUILT, FIXES, Fixes, parse_fixes
 from minigrid_engine.messages import (
     Abort,
@@ -63,6 +63,7 @@ log = logging.getLogger("minigrid.router")
 disable_created_metrics()
 REMOTE_WAIT_S = 600  # how long the router waits for a worker started by hand on another host
 PORT_TRIES = 4  # starts on fresh ports when one the workers were given was taken meanwhile
+FIX_DRAIN_S = 30.0  # how long a switch of the fixes waits for the requests in flight
 STOP_GRACE_S = 2.0  # how long a restart lets the survivors stop before it kills them
 MAX_BODY_BYTES = 4 * 2**20
 
@@ -232,6 +233,10 @@ def spawn_worker(
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
+class FixesBusy(Exception):
+    """The requests in flight did not finish in time for a switch of the fixes."""
+
+
 class _Refused(Exception):
     """A request that arrives while the engine restarts or is down."""
 
@@ -262,6 +267,8 @@ class Router:
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Result]]] = {}
         self._streams: dict[int, asyncio.Queue[list[int]]] = {}  # streamed rooms: their new tokens
         self._queries: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self._switching = False  # the fixes are being switched: new requests wait (set_fixes)
+        self._switch_lock = threading.Lock()  # one switch at a time
         self._plock = threading.Lock()
         self.started_at = time.time()
         self.startup_log: list[str] = []
@@ -371,6 +378,8 @@ class Router:
                         time.sleep(0.2)  # let its last lines arrive
                         said = "\n".join(w.log_tail)
                         why = f"the {w.name} worker exited with status {w.proc.returncode} during startup"
+                        if w.proc.returncode == REFUSED_TO_START and w.log_tail:  # its one line
+                            raise StartupError(f"the {w.name} worker refused to start: {w.log_tail[-1]}")
                         if "address already in use" in said.lower():
                             raise PortInUse(f"{why}:\n{said}", f"{why}: a port it was given was in use")
                         raise StartupError(f"{why}:\n{said}")
@@ -671,11 +680,33 @@ class Router:
             "Every other fix can be switched live."
         )
 
-    def set_fixes(self, fixes: Fixes, timeout_s: float = 10) -> dict[str, str]:
+    def set_fixes(self, fixes: Fixes, timeout_s: float = 10, drain_s: float = FIX_DRAIN_S) -> dict[str, str]:
         """Switch every worker to `fixes` (blocking; call from a thread). Each worker applies it
-        between two steps of its loop and confirms; returns {worker: fixes it confirmed}."""
+        between two steps of its loop and confirms; returns {worker: fixes it confirmed}.
+
+        Between requests only: new requests wait at the door while those in flight finish
+        (at most `drain_s`), so that no request is prefilled under one set of fixes and checked by
+        decode under another. `FixesBusy` when they are not done by then (nothing switched)."""
+        with self._switch_lock:
+            return self._set_fixes(fixes, timeout_s, drain_s)
+
+    def _set_fixes(self, fixes: Fixes, timeout_s: float, drain_s: float) -> dict[str, str]:
         waits: list[tuple[str, int, threading.Event, list[Any]]] = []
+        with self._plock:
+            self._switching = True
         try:
+            deadline = time.monotonic() + drain_s
+            while True:
+                with self._plock:
+                    busy = len(self._pending)
+                if not busy:
+                    break
+                if time.monotonic() > deadline:
+                    raise FixesBusy(
+                        f"the fixes were not switched: {busy} request{'s' if busy != 1 else ''} still in "
+                        f"flight after {drain_s:g} s (a switch waits for them); retry"
+                    )
+                time.sleep(0.02)
             for link in self.workers.values():  # every worker link, however many per role
                 name = link.name
                 qid = next(self._qids)
@@ -695,6 +726,7 @@ class Router:
             return confirmed
         finally:
             with self._plock:
+                self._switching = False
                 for _, qid, _, _ in waits:
                     self._queries.pop(qid, None)
 
@@ -756,6 +788,10 @@ class Router:
         fut: asyncio.Future[Result] = loop.create_future()
         rid = request_id(tenant, room)
         links: list[WorkerLink] = []
+        waited = 0.0
+        while self._switching and waited < FIX_DRAIN_S + 15:  # the fixes are being switched: wait
+            await asyncio.sleep(0.05)
+            waited += 0.05
         try:
             with self._plock:
                 refusal = self.recovery.refusal()  # a restart sweeps every room registered before it
@@ -1071,6 +1107,8 @@ class Router:
             before = str(router.cfg.fixes)
             try:
                 confirmed = await asyncio.to_thread(router.set_fixes, fixes)
+            except FixesBusy as exc:
+                return api_error(409, str(exc), "invalid_request_error", "fixes_busy", "fixes")
             except (ConnectionError, OSError, TimeoutError) as exc:
                 return worker_error(exc)
             log.warning("fixes switched from %s to %s by the admin key", before, fixes)

@@ -165,6 +165,32 @@ def test_the_live_switch_changes_the_outcome_of_the_same_prompt(room: Workshop) 
         Engine.connect(room.url, room.room.students["student02"], admin_key="sk-nope").set_fixes("all")
 
 
+def test_switching_fixes_under_load_fails_no_request(room: Workshop) -> None:
+    """A switch waits for the requests in flight, holding new ones back meanwhile: no request is
+    prefilled under one set of fixes and checked by decode under another (a spurious checksum or
+    coverage error would teach the class something false)."""
+    teacher = Engine.connect(room.url, room.room.instructor_key)
+    students = sorted(room.room.students)
+    clients = [Engine.connect(room.url, room.room.students[s]) for s in students]
+    jobs = [
+        (i % len(clients), secret_prompt(students[i % len(students)], 200 + 40 * (i % 8), i))
+        for i in range(18)
+    ]
+    with ThreadPoolExecutor(6) as pool:
+        replies = [
+            pool.submit(lambda j=j: clients[j[0]].complete(students[j[0]], j[1], max_tokens=40)) for j in jobs
+        ]
+        for fixes in ("all", "none", "owner-check", "kv-checksum,scrub-on-free", "none"):
+            time.sleep(0.4)
+            spec = fixes if fixes != "all" else ROOM_FIXES
+            assert set(teacher.set_fixes(spec)["fixes"]) == (
+                set() if spec == "none" else set(spec.split(","))
+            )
+        got = [r.result() for r in replies]
+    failed = [(r.status, r.error) for r in got if r.status != 200]
+    assert not failed, failed
+
+
 def test_connect_errors_name_the_problem(room: Workshop, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(MinigridError, match="refused this API key"):
         Engine.connect(room.url, "sk-wrong")
