@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+REFUSED_TO_START = 3  # a worker's exit status when it refuses its configuration, in one line
+
 
 class MinigridError(Exception):
     """Base of every error minigrid raises deliberately."""

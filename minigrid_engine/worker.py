@@ -30,7 +30,7 @@ import torch
 
 from minigrid_engine.config import ServeConfig
 from minigrid_engine.decode import DecodeScheduler
-from minigrid_engine.errors import PoolError
+from minigrid_engine.errors import REFUSED_TO_START, ConfigError, PoolError
 from minigrid_engine.fixes import parse_fixes
 from minigrid_engine.messages import (
     Abort,
@@ -50,7 +50,7 @@ from minigrid_engine.messages import (
     TransferBegin,
     TransferDone,
 )
-from minigrid_engine.model import load_model
+from minigrid_engine.model import ModelConfig, load_model
 from minigrid_engine.pool import KVPool, PoolConfig
 from minigrid_engine.prefill import PrefillScheduler, TransferJob
 from minigrid_engine.trace import Trace
@@ -376,16 +376,23 @@ def _refuse_to_start(role: str, cfg: ServeConfig) -> str | None:
     """Why this worker must not start (one line for the operator), or None."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         return f"--device cuda: no CUDA device is visible to the {role} worker (torch {torch.__version__})"
-    if cfg.fixes.capacity_check:
-        # Fix `capacity-check`: the deployment check, made by the role from its own pool.
-        tokens = cfg.prefill_pool_tokens if role == "prefill" else cfg.decode_pool_tokens
-        if tokens < cfg.context_length:
+    tokens = cfg.prefill_pool_tokens if role == "prefill" else cfg.decode_pool_tokens
+    if cfg.device == "cpu":
+        pool = PoolConfig(tokens, cfg.page_size)
+        need, have = pool.nbytes(ModelConfig()), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > have:
             return (
-                f"capacity-check: the {role} KV pool holds {tokens} tokens, fewer than the context "
-                f"length of {cfg.context_length} tokens: a valid prompt would not fit. Raise "
-                f"--{role}-pool-tokens to at least {cfg.context_length} (--preset corrected) or lower "
-                f"--context-length; --fixes none runs the faulty configuration on purpose."
+                f"--{role}-pool-tokens {tokens}: {pool.describe(ModelConfig(), role)} needs "
+                f"{need / 2**30:,.1f} GiB, more than this machine's {have / 2**30:,.1f} GiB of memory"
             )
+    # Fix `capacity-check`: the deployment check, made by the role from its own pool.
+    if cfg.fixes.capacity_check and tokens < cfg.context_length:
+        return (
+            f"capacity-check: the {role} KV pool holds {tokens} tokens, fewer than the context "
+            f"length of {cfg.context_length} tokens: a valid prompt would not fit. Raise "
+            f"--{role}-pool-tokens to at least {cfg.context_length} (--preset corrected) or lower "
+            f"--context-length; --fixes none runs the faulty configuration on purpose."
+        )
     return None
 
 
@@ -449,17 +456,25 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     name = f"{a.role}-{a.index}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}: %(message)s", stream=sys.stderr)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the router decides when workers stop
+    # The router decides when its workers stop (and stops them, asking first, when it is told to):
+    # Ctrl-C or `kill -TERM` to the whole process group, as systemd and `timeout` send it, must
+    # not look like a worker crash to restart. A worker whose router is gone exits on its own.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     authkey = bytes.fromhex(os.environ["MINIGRID_AUTHKEY"])
     cfg = ServeConfig.from_json(a.config)
     torch.set_num_threads(max(1, cfg.worker_threads))
     refusal = _refuse_to_start(a.role, cfg)
     if refusal is not None:
         print(refusal, file=sys.stderr, flush=True)
-        return 3
+        return REFUSED_TO_START
     router = _connect(_addr(a.router), authkey)
     ports = [int(x) for x in a.peer_ports.split(",")]
-    return run_worker(a.role, a.index, cfg, router, authkey, ports, a.dist_port)
+    try:
+        return run_worker(a.role, a.index, cfg, router, authkey, ports, a.dist_port)
+    except ConfigError as exc:  # e.g. a pool the device cannot hold: one line, not a traceback
+        print(f"the {name} worker cannot start: {exc}", file=sys.stderr, flush=True)
+        return REFUSED_TO_START
 
 
 def remote_main(
@@ -493,7 +508,7 @@ def remote_main(
     if refusal is not None:
         print(refusal, file=sys.stderr, flush=True)
         router.close()
-        return 3
+        return REFUSED_TO_START
     log.info("joined the router at %s as %s; page data from %s", router_addr, got.worker, address)
     return run_worker(role, got.index, cfg, router, authkey, got.peer_ports, got.dist_port, address)
 

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from cli_run import minigrid
 
@@ -344,3 +345,37 @@ def test_a_worker_from_another_host_is_not_restarted_and_the_engine_says_so(tmp_
         for p in (worker, serve):
             stop_process(p)
         log.close()
+
+
+def test_sigterm_to_the_process_group_stops_the_engine_without_a_restart(tmp_path: Path) -> None:
+    """`timeout`, systemd and a terminal send SIGTERM (or SIGINT) to every process of the group:
+    the workers leave their stopping to the router, so no worker death is seen, no restart begins,
+    and every process is gone within seconds."""
+    ready, log_path = tmp_path / "url", tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        serve = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "minigrid_engine.cli", "serve", "--preset", "corrected"),
+                *("--port", "0", "--ready-file", str(ready)),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() or not ready.read_text().strip():
+            assert time.monotonic() < deadline and serve.poll() is None, log_path.read_text()
+            time.sleep(0.1)
+        workers = psutil.Process(serve.pid).children(recursive=True)
+        assert len(workers) >= 2, workers
+        os.killpg(serve.pid, signal.SIGTERM)
+        serve.wait(timeout=30)
+        _, alive = psutil.wait_procs(workers, timeout=15)
+        assert not alive, alive
+        said = log_path.read_text()
+        assert "restart" not in said.lower() and "died" not in said, said
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
