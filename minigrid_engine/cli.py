@@ -86,18 +86,16 @@ def _add_pool_flags(p: argparse.ArgumentParser) -> None:
 
 def cmd_pool(args: argparse.Namespace) -> int:
     from minigrid_engine.model import ModelConfig
-    from minigrid_engine.pool import KVPool
 
-    cfg = _pool_config(args, 2048)
-    pool = KVPool(cfg, ModelConfig(), "engine")
-    info = {
+    cfg, model = _pool_config(args, 2048), ModelConfig()
+    info = {  # computed: describing a pool allocates none
         "capacity_tokens": cfg.capacity_tokens,
         "page_size": cfg.page_size,
         "pages": cfg.n_pages,
-        "bytes_per_token": ModelConfig().kv_bytes_per_token(),
-        "bytes": pool.bytes,
+        "bytes_per_token": model.kv_bytes_per_token(),
+        "bytes": cfg.nbytes(model),
     }
-    print(json.dumps(info) if args.json else pool.describe())
+    print(json.dumps(info) if args.json else cfg.describe(model))
     return 0
 
 

@@ -51,7 +51,21 @@ class PoolConfig:
 
     @property
     def n_pages(self) -> int:
-        return math.ceil(self.capacity_tokens / self.page_size)
+        return -(-self.capacity_tokens // self.page_size)  # exact for any size
+
+    def nbytes(self, model: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+        """What the pool's K and V cost, every layer, whole pages (computed, nothing allocated)."""
+        return self.n_pages * self.page_size * model.kv_bytes_per_token(dtype)
+
+    def describe(self, model: ModelConfig, role: str = "engine", dtype: torch.dtype = torch.float32) -> str:
+        """The startup line: capacity in tokens and pages, and the bytes it costs."""
+        partial = self.capacity_tokens % self.page_size
+        note = f" ({self.page_size - partial} slots past the token budget)" if partial else ""
+        return (
+            f"{role} KV pool: {self.capacity_tokens} tokens in {self.n_pages} pages of "
+            f"{self.page_size} tokens{note} ({model.kv_bytes_per_token(dtype)} bytes per token, "
+            f"{self.nbytes(model, dtype) / 2**20:.1f} MiB)"
+        )
 
     @classmethod
     def from_memory_budget(
@@ -117,8 +131,15 @@ class KVPool:
         self.trace = trace if trace is not None else Trace(role)
         shape = (model.n_layers, cfg.n_pages, cfg.page_size, model.n_kv_heads, model.head_dim)
         # torch.empty: a fresh pool holds whatever memory held before, exactly like a GPU pool.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        try:
+            self.k = torch.empty(shape, dtype=dtype, device=device)
+            self.v = torch.empty(shape, dtype=dtype, device=device)
+        except (RuntimeError, TypeError, OverflowError) as exc:  # out of memory, or past int64
+            need = cfg.nbytes(model, dtype)
+            raise ConfigError(
+                f"{cfg.describe(model, role, dtype)}: cannot allocate {need / 2**30:,.1f} GiB on "
+                f"{device} ({type(exc).__name__}); choose a smaller pool"
+            ) from None
         self.k.zero_()  # deterministic start (tests); freed pages are never zeroed afterwards
         self.v.zero_()
         self.pages = [PageInfo() for _ in range(cfg.n_pages)]
@@ -168,13 +189,7 @@ class KVPool:
 
     def describe(self) -> str:
         """The startup line: capacity in tokens and pages, and the bytes it costs."""
-        per_token = self.model_cfg.kv_bytes_per_token(self.k.dtype)
-        partial = self.capacity_tokens % self.page_size
-        note = f" ({self.page_size - partial} slots past the token budget)" if partial else ""
-        return (
-            f"{self.role} KV pool: {self.capacity_tokens} tokens in {self.n_pages} pages of "
-            f"{self.page_size} tokens{note} ({per_token} bytes per token, {self.bytes / 2**20:.1f} MiB)"
-        )
+        return self.cfg.describe(self.model_cfg, self.role, self.k.dtype)
 
     # -- reservation ---------------------------------------------------------------------
     def can_reserve(self, n_tokens: int) -> bool:

@@ -59,6 +59,22 @@ def test_pool_reports_tokens_pages_and_bytes() -> None:
     assert "1536 bytes per token" in proc.stdout
 
 
+def test_a_pool_too_big_to_hold_is_described_or_refused_in_one_line() -> None:
+    """Describing a pool computes its size and allocates nothing; one the machine cannot hold is
+    refused at start with the GiB it would cost, never a traceback or a worker lost to it."""
+    described = minigrid("pool", "--pool-tokens", "100000000000")
+    assert described.returncode == 0, described.stderr
+    assert "100000000000 tokens in 781250000 pages of 128 tokens" in described.stdout
+    assert "1536 bytes per token, 146484375.0 MiB" in described.stdout
+    generate = minigrid("generate", "--prompt", "hi", "--pool-tokens", "100000000000")
+    assert generate.returncode == 2 and "cannot allocate 143,051.1 GiB" in generate.stderr, generate.stderr
+    serve = minigrid("serve", "--preset", "corrected", "--decode-pool-tokens", "100000000000", "--port", "0")
+    assert serve.returncode == 2, serve.stderr
+    assert "--decode-pool-tokens 100000000000" in serve.stderr and "GiB of memory" in serve.stderr
+    for proc in (generate, serve):
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) <= 2, proc.stderr
+
+
 def test_generate_copies_a_record() -> None:
     prompt = "ZED pin 7Q2M4K; ZED card PX81KQ0A; " * 6
     proc = minigrid("generate", "--prompt", prompt, "--max-tokens", "40", "--tenant", "zed")
