@@ -2,10 +2,11 @@
 
     python bench/labs.py            # all of labs/, reference answers on; writes bench/results/labs-cpu.json
     python bench/labs.py --only 05 --out-dir /tmp/labs   # one notebook
-    python bench/labs.py --student             # the student copies (exercises unanswered)
+    python bench/labs.py --student             # the student copies (exercises unanswered); writes no JSON
 
-Prints each notebook's time and the peak memory of the notebook kernel plus the engine processes
-it started (summed PSS of every process below this one, sampled every 0.2 s), then the totals.
+Prints each notebook's time, the peak memory of the notebook kernel plus the engine processes it
+started (summed PSS of every process below this one, sampled every 0.2 s) and each exercise
+checker's verdict, then the totals; the JSON records the same, verdicts included.
 Executed notebooks go to --out-dir; their widget state is not stored (plotly's FigureWidget would
 add its 4-5 MB JavaScript bundle to every saved notebook).
 """
@@ -117,7 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(r.seconds for r in runs)
     peak = max(r.peak_mib for r in runs)
     print(f"series: {len(runs)} notebooks in {total:.0f} s ({total / 60:.1f} min); peak {peak:.0f} MiB")
-    if not a.only:
+    verdicts = [(r.notebook, k, ok) for r in runs for k, ok in r.result.get("verdicts", {}).items()]
+    rejected = [f"{nb}: {k}" for nb, k, ok in verdicts if not ok]
+    unchecked = [r.notebook for r in runs if not r.result.get("verdicts")]
+    accepted = not rejected and not unchecked
+    if not a.student:
+        print(
+            "every checker accepted its reference answer"
+            if accepted
+            else f"reference answers rejected: {rejected}; notebooks with no verdict: {unchecked}"
+        )
+    if not a.only and not a.student:  # the record is of the reference answers, the whole series
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(
             json.dumps(
@@ -126,14 +137,20 @@ def main(argv: list[str] | None = None) -> int:
                     "cpus": psutil.cpu_count(),
                     "total_seconds": round(total, 1),
                     "peak_mib": peak,
-                    "notebooks": [asdict(r) | {"result": None} for r in runs],
+                    "reveal_solutions": True,
+                    "every_checker_accepts_its_reference_answer": accepted,
+                    "notebooks": [
+                        {k: v for k, v in asdict(r).items() if k != "result"}
+                        | {"verdicts": r.result.get("verdicts", {})}
+                        for r in runs
+                    ],
                 },
                 indent=2,
             )
             + "\n"
         )
         print(f"wrote {a.json}")
-    return 0
+    return 0 if accepted or a.student else 1
 
 
 if __name__ == "__main__":
