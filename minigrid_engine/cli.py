@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -179,6 +180,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # refused here, before anything starts, unless allowed; @TENANT must name a tenant
         parse_faults(args.inject, tenants=changes.get("tenants", base.tenants))  # type: ignore[arg-type]
         changes["inject"] = tuple(args.inject)
+    if args.ready_file is not None:
+        _check_writable(args.ready_file, "--ready-file")
     on_listening = None
     if args.workshop is not None:
         on_listening = _workshop(args, changes)
@@ -186,6 +189,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise MinigridError("--keys-file, --overwrite-keys and --public-url go with --workshop N")
     cfg = base.with_(**changes)
     return serve(cfg, args.ready_file, on_listening, authkey)
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """Refuse, before anything starts, a file the server could not write once it serves."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise MinigridError(f"{flag} {path}: is a folder; give a file name")
+    if not folder.is_dir():
+        raise MinigridError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise MinigridError(f"{flag} {path}: the folder {folder} is not writable")
 
 
 def _workshop(args: argparse.Namespace, changes: dict[str, object]):  # -> Callable[[str], list[str]]
@@ -199,6 +213,7 @@ def _workshop(args: argparse.Namespace, changes: dict[str, object]):  # -> Calla
     if args.public_url is not None and not args.public_url.startswith(("http://", "https://")):
         raise MinigridError(f"--public-url {args.public_url!r} must start with http:// or https://")
     keys_file: Path = args.keys_file or Path("workshop-keys.csv")
+    _check_writable(keys_file, "--keys-file")
     check_keys_file(keys_file, args.overwrite_keys)
     room = make_room(args.workshop)
     changes["tenants"], changes["admin_key"] = room.students, room.instructor_key

@@ -199,7 +199,8 @@ class FuzzReport:
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        return json.dumps({**asdict(self), "isolated": self.isolated}, indent=2)
+        # asdict() would rebuild the Counter from its (key, count) pairs, counting the pairs
+        return json.dumps({**asdict(self), "leaks": dict(self.leaks), "isolated": self.isolated}, indent=2)
 
 
 def tenant_keys(k: int, rng: random.Random) -> dict[str, str]:

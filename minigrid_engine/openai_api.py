@@ -28,6 +28,24 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses it too (t
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_TOKENS = 128
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI parameters minigrid does not implement, each with the values that mean "off" (clients send
+# their defaults: accepted) and what minigrid does instead. Any other value is refused, never
+# ignored: an answer that silently lacks what was asked for is wrong in a way the client cannot see.
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "logprobs": ((False,), "minigrid returns no log-probabilities"),  # completions' 0: the chosen token's
+    "top_logprobs": ((0,), "minigrid returns no log-probabilities"),
+    "echo": ((False,), "minigrid does not echo the prompt"),
+    "best_of": ((1,), "minigrid samples one candidate"),
+    "suffix": (("",), "minigrid does not insert text before a suffix"),
+    "frequency_penalty": ((0, 0.0), "minigrid applies no penalties"),
+    "presence_penalty": ((0, 0.0), "minigrid applies no penalties"),
+    "logit_bias": (({},), "minigrid applies no logit bias"),
+    "tools": (([],), "minigrid calls no tools"),
+    "tool_choice": (("none",), "minigrid calls no tools"),
+    "functions": (([],), "minigrid calls no functions"),
+    "function_call": (("none",), "minigrid calls no functions"),
+    "response_format": (({"type": "text"},), "minigrid answers in plain text only"),
+}
 
 
 class BadRequest(Exception):
@@ -146,6 +164,17 @@ class Bodies:
             raise BadRequest(f"'n' must be an integer, got {shown(n)}", "invalid_type", "n")
         if n not in (None, 1):
             raise BadRequest("'n' must be 1: minigrid returns one choice", "unsupported_parameter", "n")
+        self._top_p(body.get("top_p"), float(temperature))
+        for name, (off, instead) in UNSUPPORTED.items():
+            value = body.get(name)
+            if value is not None and not any(type(value) is type(o) and value == o for o in off):
+                allowed = " or ".join(json.dumps(o) for o in off)
+                raise BadRequest(
+                    f"'{name}' is not supported ({instead}): leave it out or send {allowed}, got "
+                    f"{shown(value)}",
+                    "unsupported_parameter",
+                    name,
+                )
         total = len(ids) + max_tokens
         if total > self.context_length:
             raise BadRequest(
@@ -163,6 +192,24 @@ class Bodies:
             bool(stream),
             self._include_usage(body.get("stream_options"), bool(stream)),
         )
+
+    @staticmethod
+    def _top_p(top_p: Any, temperature: float) -> None:
+        """Nucleus sampling is not implemented: top_p 1 (the whole distribution) is what minigrid
+        samples from; below 1 it matters only when sampling (temperature above 0)."""
+        if top_p is None:
+            return
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 <= top_p <= 1:
+            raise BadRequest(
+                f"'top_p' must be a number from 0 to 1, got {shown(top_p)}", "invalid_value", "top_p"
+            )
+        if top_p < 1 and temperature > 0:
+            raise BadRequest(
+                f"'top_p' {shown(top_p)} is not supported: minigrid samples from the whole distribution "
+                "(top_p 1); leave it out, send 1, or sample greedily (temperature 0)",
+                "unsupported_parameter",
+                "top_p",
+            )
 
     def prompt_ids(self, prompt: Any) -> list[int]:
         """Token ids of an OpenAI `prompt`: a string, token ids, or a batch of exactly one of those."""

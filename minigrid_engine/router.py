@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from minigrid_engine import openai_api as oai
 from minigrid_engine.config import ADMIN, MODEL_ID, ROLES, ServeConfig, check_admin_key
@@ -126,13 +127,35 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
             status=413,
         )
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise BadRequest(
-                f"the request body exceeds the limit of {limit} bytes", "body_too_large", status=413
-            )
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise BadRequest(
+                    f"the request body exceeds the limit of {limit} bytes", "body_too_large", status=413
+                )
+    except ClientDisconnect:  # gone while its body was still arriving: nothing was started
+        raise BadRequest("the client closed the connection", "client_closed", status=499) from None
     return bytes(raw)
+
+
+def parse_json(raw: bytes) -> Any:
+    """The body as JSON, or a 400 that says where it stops being JSON."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise BadRequest("the request body is not valid JSON: nested too deeply", "invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError names the place; int() the digit limit
+        raise BadRequest(f"the request body is not valid JSON: {shown_error(exc)}", "invalid_json") from None
+
+
+def shown_error(exc: ValueError) -> str:
+    """A JSON parse error in one short line (int's message names a setting the client cannot use)."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{exc.msg} at line {exc.lineno}, column {exc.colno}"
+    if "digits" in str(exc):
+        return "a number has more than 4300 digits"
+    return str(exc)[:120]
 
 
 def tenant_view(events: list[dict[str, Any]], tenant: str) -> list[dict[str, Any]]:
@@ -856,7 +879,16 @@ class Router:
 
         @app.exception_handler(RequestValidationError)
         async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-            return api_error(400, str(exc), "invalid_request_error", "invalid_request")
+            # A query parameter of the wrong type: name it and what it got (str(exc) would show
+            # the handler's source file and line to the client)
+            first = exc.errors()[0] if exc.errors() else {}
+            loc = [str(x) for x in first.get("loc", ()) if x not in ("query", "path", "body")]
+            param = loc[-1] if loc else None
+            expected = {"int_parsing": "an integer", "missing": "given"}.get(first.get("type", ""), "valid")
+            got = f", got {oai.shown(first['input'])}" if first.get("type") != "missing" else ""
+            return api_error(
+                400, f"'{param}' must be {expected}{got}", "invalid_request_error", "invalid_value", param
+            )
 
         def admin_only(what: str) -> JSONResponse:
             return api_error(
@@ -890,13 +922,10 @@ class Router:
                 return unauthorized()
             try:
                 raw = await read_body(request)
-                try:
-                    body = json.loads(raw)
-                except (ValueError, RecursionError):
-                    raise BadRequest("the request body is not valid JSON", "invalid_json") from None
+                body = parse_json(raw)
                 ask = router.bodies.chat(body) if kind == oai.CHAT else router.bodies.completion(body)
             except BadRequest as exc:
-                router.requests_total.labels("invalid").inc()
+                router.requests_total.labels("disconnected" if exc.status == 499 else "invalid").inc()
                 return api_error(exc.status, exc.message, "invalid_request_error", exc.code, exc.param)
             refusal = router.refusal()
             if refusal is not None:
@@ -1018,24 +1047,34 @@ class Router:
         async def chat_completions(request: Request) -> Response:
             return await answer(request, oai.CHAT)
 
+        def model_card() -> dict[str, Any]:
+            return {
+                "id": MODEL_ID,
+                "object": "model",
+                "created": int(router.started_at),
+                "owned_by": "minigrid",
+                "max_model_len": router.cfg.context_length,
+            }
+
         @app.get("/v1/models")
         async def models(request: Request) -> Response:
             if router.tenant_of(request.headers.get("authorization")) is None:
                 return unauthorized()
-            return JSONResponse(
-                {
-                    "object": "list",
-                    "data": [
-                        {
-                            "id": MODEL_ID,
-                            "object": "model",
-                            "created": int(router.started_at),
-                            "owned_by": "minigrid",
-                            "max_model_len": router.cfg.context_length,
-                        }
-                    ],
-                }
-            )
+            return JSONResponse({"object": "list", "data": [model_card()]})
+
+        @app.get("/v1/models/{model:path}")
+        async def model(request: Request, model: str) -> Response:
+            if router.tenant_of(request.headers.get("authorization")) is None:
+                return unauthorized()
+            if model != MODEL_ID:
+                return api_error(
+                    404,
+                    f"the model {oai.shown(model)} does not exist; this server serves {MODEL_ID!r}",
+                    "invalid_request_error",
+                    "model_not_found",
+                    "model",
+                )
+            return JSONResponse(model_card())
 
         @app.get("/health")
         async def health() -> Response:
@@ -1081,11 +1120,7 @@ class Router:
                 )
             valid = f"none, all, or a list of {', '.join(n for n in FIXES if n in BUILT)}"
             try:
-                raw = await read_body(request, 64 * 1024)
-                try:
-                    body = json.loads(raw)
-                except (ValueError, RecursionError):
-                    raise BadRequest("the request body is not valid JSON", "invalid_json") from None
+                body = parse_json(await read_body(request, 64 * 1024))
                 spec = body.get("fixes") if isinstance(body, dict) else None
                 if isinstance(spec, list) and spec and all(isinstance(n, str) for n in spec):
                     spec = ",".join(spec)

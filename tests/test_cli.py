@@ -22,6 +22,14 @@ from cli_run import minigrid
         (["generate", "--prompt", "hi", "--stop", ""], "a stop sequence is empty"),
         (["generate", "--prompt", "hi", "--temperature", "3"], "temperature must be between 0 and 2, got 3"),
         (["bogus"], "invalid choice: 'bogus'"),
+        (
+            ["serve", "--preset", "corrected", "--ready-file", "/nonexistent/url"],
+            "--ready-file /nonexistent/url: the folder /nonexistent does not exist",
+        ),
+        (
+            ["serve", "--workshop", "2", "--keys-file", "/nonexistent/keys.csv"],
+            "--keys-file /nonexistent/keys.csv: the folder /nonexistent does not exist",
+        ),
         (["serve", "--preset", "corrected", "--tenants", "admin:sk-t"], "a tenant may not be called 'admin'"),
         (
             ["serve", "--preset", "corrected", "--tenants", "alice:sk-a", "--admin-key", "sk-a"],

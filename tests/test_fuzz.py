@@ -118,6 +118,8 @@ def test_fuzz_without_fixes_finds_the_leak() -> None:
     assert rep.double_owned == 0 and rep.pages_in_use == {"prefill": 0, "decode": 0}
     assert rep.integrity == {"prefill": "ok", "decode": "ok"}
     assert rep.unexpected == []  # over the context: still a 400
+    saved = json.loads(rep.to_json())  # what `minigrid fuzz --json` prints: the leaks by pair
+    assert saved["leaks"] == dict(rep.leaks) and sum(saved["leaks"].values()) >= rep.leaked_responses
 
 
 def test_reject_before_transfer_refuses_every_prompt_over_the_pool() -> None:

@@ -156,6 +156,27 @@ FIELDS: dict[str, tuple[Any, int, str, str | None]] = {
     "stream 'false'": ({"prompt": "hi", "stream": "false"}, 400, "invalid_type", "stream"),
     "n 2": ({"prompt": "hi", "n": 2}, 400, "unsupported_parameter", "n"),
     "n true": ({"prompt": "hi", "n": True}, 400, "invalid_type", "n"),
+    "logprobs 5": ({"prompt": "hi", "logprobs": 5}, 400, "unsupported_parameter", "logprobs"),
+    "logprobs 0": ({"prompt": "hi", "logprobs": 0}, 400, "unsupported_parameter", "logprobs"),
+    "echo": ({"prompt": "hi", "echo": True}, 400, "unsupported_parameter", "echo"),
+    "best_of 3": ({"prompt": "hi", "best_of": 3}, 400, "unsupported_parameter", "best_of"),
+    "suffix": ({"prompt": "hi", "suffix": "end"}, 400, "unsupported_parameter", "suffix"),
+    "presence_penalty": (
+        {"prompt": "hi", "presence_penalty": 0.5},
+        400,
+        "unsupported_parameter",
+        "presence_penalty",
+    ),
+    "logit_bias": ({"prompt": "hi", "logit_bias": {"65": 100}}, 400, "unsupported_parameter", "logit_bias"),
+    "top_p 0.9 sampled": (
+        {"prompt": "hi", "top_p": 0.9, "temperature": 0.8},
+        400,
+        "unsupported_parameter",
+        "top_p",
+    ),
+    "top_p 1.5": ({"prompt": "hi", "top_p": 1.5}, 400, "invalid_value", "top_p"),
+    "top_p -0.1": ({"prompt": "hi", "top_p": -0.1}, 400, "invalid_value", "top_p"),
+    "top_p string": ({"prompt": "hi", "top_p": "1"}, 400, "invalid_value", "top_p"),
     "unknown model": ({"prompt": "hi", "model": "gpt-5"}, 404, "model_not_found", "model"),
     "over the context": ({"prompt": "x" * 1020, "max_tokens": 16}, 400, "context_length_exceeded", "prompt"),
     "3 MB prompt": ({"prompt": "x" * 3 * 2**20}, 400, "context_length_exceeded", "prompt"),
@@ -207,6 +228,24 @@ CHAT_FIELDS: dict[str, tuple[Any, int, str, str | None]] = {
         "messages",
     ),
     "n 3": ({"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "unsupported_parameter", "n"),
+    "logprobs true": (
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+        400,
+        "unsupported_parameter",
+        "logprobs",
+    ),
+    "tools": (
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {}}]},
+        400,
+        "unsupported_parameter",
+        "tools",
+    ),
+    "json response_format": (
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+        400,
+        "unsupported_parameter",
+        "response_format",
+    ),
     "unknown model": (
         {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-5"},
         404,
@@ -280,6 +319,50 @@ def test_bad_keys_get_401(engine: Engine, auth: bytes | None) -> None:
         assert body["error"]["code"] == "invalid_api_key" and body["error"]["type"] == "invalid_request_error"
 
 
+def test_a_query_parameter_of_the_wrong_type_is_named_and_no_source_shown(http: httpx.Client) -> None:
+    r = http.get("/v1/minigrid/trace", params={"since": "abc"}, headers=ALICE)
+    assert_api_error(r, 400, "invalid_value", "since")
+    assert r.json()["error"]["message"] == "'since' must be an integer, got \"abc\"", r.text
+    assert ".py" not in r.text
+
+
+def test_a_model_is_described_by_its_id(http: httpx.Client) -> None:
+    listed = http.get("/v1/models", headers=ALICE).json()["data"]
+    one = http.get(f"/v1/models/{listed[0]['id']}", headers=ALICE)
+    assert one.status_code == 200 and one.json() == listed[0], one.text
+    assert http.get(f"/v1/models/{listed[0]['id']}").status_code == 401
+
+
+def test_a_number_too_long_to_parse_is_named(http: httpx.Client) -> None:
+    body = b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"
+    r = http.post("/v1/completions", content=body, headers={**ALICE, "Content-Type": "application/json"})
+    assert_api_error(r, 400, "invalid_json")
+    assert "a number has more than 4300 digits" in r.json()["error"]["message"]
+
+
+def test_a_client_gone_while_its_body_arrives_costs_nothing(engine: Engine) -> None:
+    """Half a body, then the connection closes: counted as disconnected, no error in the log, no
+    page held, and the next request is served."""
+    before = engine.metrics().get('minigrid_requests_total{outcome="disconnected"}', 0)
+    host, port = engine.url.removeprefix("http://").split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-alice\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 5000\r\n\r\n"
+                + b'{"prompt": "'
+                + b"A" * 100
+            )
+            time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while engine.metrics().get('minigrid_requests_total{outcome="disconnected"}', 0) < before + 3:
+        assert time.monotonic() < deadline, engine.metrics()
+        time.sleep(0.1)
+    assert "Traceback" not in engine.log() and "ClientDisconnect" not in engine.log()
+    assert wait_pages_free(engine)
+    assert engine.complete("alice", PROMPT, max_tokens=4).ok
+
+
 def test_tenant_keys_never_open_the_admin_views(http: httpx.Client) -> None:
     for path in ("/v1/minigrid/pools", "/v1/minigrid/integrity"):
         assert_api_error(http.get(path, headers=ALICE), 403, "forbidden")
@@ -296,7 +379,8 @@ ROUTES = [
     ("POST", "/v1/completion", 404, "not_found"),
     ("GET", "/", 404, "not_found"),
     ("GET", "/v1/minigrid/../../etc/passwd", 404, "not_found"),
-    ("GET", "/v1/minigrid/trace?since=abc", 400, "invalid_request"),
+    ("GET", "/v1/minigrid/trace?since=abc", 400, "invalid_value"),
+    ("GET", "/v1/models/gpt-5", 404, "model_not_found"),
 ]
 
 
@@ -359,6 +443,28 @@ def test_prompt_forms_openai_accepts(http: httpx.Client, prompt: Any) -> None:
         assert r.json()["usage"]["prompt_tokens"] == n
 
 
+def test_the_defaults_clients_send_for_unsupported_parameters_are_accepted(http: httpx.Client) -> None:
+    """Libraries send their defaults for what minigrid does not implement: the values that mean
+    "off" pass, so a plain client works; only a value that asks for more is refused (above)."""
+    offs = {
+        "logprobs": False,
+        "echo": False,
+        "best_of": 1,
+        "suffix": "",
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "logit_bias": {},
+        "top_p": 1,
+        "user": "anyone",
+    }
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, **offs}, headers=ALICE)
+    assert r.status_code == 200, r.text
+    chat = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "top_logprobs": 0}
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "logprobs": False, **chat}
+    r = http.post("/v1/chat/completions", json={**body, "top_p": 0.5}, headers=ALICE)  # greedy: no effect
+    assert r.status_code == 200, r.text
+
+
 def test_the_auth_scheme_is_case_insensitive(http: httpx.Client) -> None:
     r = http.post(
         "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers={"Authorization": "bearer sk-bob"}
@@ -398,6 +504,8 @@ BODY = (
             "stop": JSON | st.lists(st.text(max_size=3), max_size=5),
             "stream_options": JSON,
             "logprobs": JSON,
+            "top_p": st.floats() | JSON,
+            "echo": JSON,
         },
     )
     | JSON
