@@ -112,7 +112,9 @@ def test_message_fault_is_survived(name: str) -> None:
 def test_fixes_none_control_shows_the_leak() -> None:
     """The same late transfer with every fix off lands in pages alice holds: the checks can fail."""
     (case,) = select("control:delay-transfer")
-    for seed in range(2):  # the late data must land while alice holds the pages: once more if not
+    # The late data must land while alice holds the pages: a busy machine (CI's 2 shared cores)
+    # can shift the timing so that it lands between her requests; try again with new prompts.
+    for seed in range(5):
         out = run_case(case, seed=seed)
         if out.foreign_data:
             break
