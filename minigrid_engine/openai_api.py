@@ -56,6 +56,16 @@ class BadRequest(Exception):
         self.message, self.code, self.param, self.status = message, code, param, status
 
 
+def unknown_model(model: Any) -> BadRequest:
+    """404 `model_not_found`: in a request body, or asked for at `/v1/models/{id}`."""
+    return BadRequest(
+        f"the model {shown(model)} does not exist; this server serves {MODEL_ID!r}",
+        "model_not_found",
+        "model",
+        404,
+    )
+
+
 def shown(value: Any, limit: int = 60) -> str:
     """`value` as JSON for an error message, cut short: a hostile body is never echoed whole."""
     try:
@@ -116,12 +126,7 @@ class Bodies:
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         if "model" in body and body["model"] != MODEL_ID:
-            raise BadRequest(
-                f"the model {shown(body['model'])} does not exist; this server serves {MODEL_ID!r}",
-                "model_not_found",
-                "model",
-                404,
-            )
+            raise unknown_model(body["model"])
 
     def _sampling(self, body: dict[str, Any], ids: list[int], max_field: str, prompt_field: str) -> Sampling:
         max_tokens = body.get(max_field)

@@ -1067,13 +1067,8 @@ class Router:
             if router.tenant_of(request.headers.get("authorization")) is None:
                 return unauthorized()
             if model != MODEL_ID:
-                return api_error(
-                    404,
-                    f"the model {oai.shown(model)} does not exist; this server serves {MODEL_ID!r}",
-                    "invalid_request_error",
-                    "model_not_found",
-                    "model",
-                )
+                err = oai.unknown_model(model)
+                return api_error(err.status, err.message, "invalid_request_error", err.code, err.param)
             return JSONResponse(model_card())
 
         @app.get("/health")
