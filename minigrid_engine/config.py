@@ -41,10 +41,22 @@ def _whole(name: str, value: object, minimum: int = 1) -> int:
 ADMIN = "admin"  # who the admin key is, in the router and the handle: no tenant may be called that
 
 
+def check_key_text(whose: str, key: str) -> None:
+    """A key travels in an HTTP header (``Authorization: Bearer KEY``), which carries printable
+    ASCII: a key with another character could be configured but never presented."""
+    bad = next((c for c in key if not "!" <= c <= "~"), None)
+    if bad is not None:
+        raise ConfigError(
+            f"{whose} holds the character {bad!r} (U+{ord(bad):04X}): an API key travels in an HTTP "
+            "header, so use printable ASCII without spaces (e.g. openssl rand -hex 16)"
+        )
+
+
 def check_admin_key(tenants: dict[str, str], admin_key: str | None) -> None:
     """The admin key must be no tenant's key: otherwise it would let that tenant in, not the admin."""
     if not admin_key:
         return
+    check_key_text("the admin key", admin_key)
     for name, key in tenants.items():
         if key == admin_key:
             raise ConfigError(
@@ -140,6 +152,7 @@ class ServeConfig:
         for name, key in self.tenants.items():
             if not key.strip():  # an empty key would let "Authorization: Bearer " in as that tenant
                 raise ConfigError(f"tenant {name!r} has an empty API key")
+            check_key_text(f"the API key of tenant {name!r}", key)
             if name == ADMIN:
                 raise ConfigError(
                     f"a tenant may not be called {ADMIN!r}: the name stands for the admin key (--admin-key)"

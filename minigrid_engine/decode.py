@@ -394,6 +394,7 @@ class DecodeScheduler:
                         "ttft_s": (r.first_token_at or r.created_at) - r.created_at,
                         "latency_s": (r.finished_at or time.time()) - r.created_at,
                     },
+                    completion_tokens=len(r.output_ids) + r.stop_tokens,
                 )
             )
 

@@ -61,8 +61,9 @@ class Fixes:
         return ",".join(self.names()) or "none"
 
 
-def parse_fixes(text: str) -> Fixes:
-    """'none', 'all' or a comma-separated list of fix names."""
+def parse_fixes(text: str, what: str = "--fixes") -> Fixes:
+    """'none', 'all' or a comma-separated list of fix names; `what` names where they were given
+    in the errors (the flag at the command line, the field over HTTP)."""
     spec = text.strip().lower()
     if spec == "none":
         return Fixes.none()
@@ -70,9 +71,9 @@ def parse_fixes(text: str) -> Fixes:
         return Fixes.all()
     names = [n.strip() for n in spec.split(",") if n.strip()]
     if len(names) > 1 and {"none", "all"} & set(names):
-        raise ConfigError(f"--fixes {text!r}: 'none' and 'all' stand alone; list fix names instead")
+        raise ConfigError(f"{what} {text!r}: 'none' and 'all' stand alone; list fix names instead")
     if not names:
-        raise ConfigError(f"--fixes {text!r}: give none, all, or names from {', '.join(FIXES)}")
+        raise ConfigError(f"{what} {text!r}: give none, all, or names from {', '.join(FIXES)}")
     unknown = [n for n in names if n not in FIXES]
     if unknown:
         raise ConfigError(

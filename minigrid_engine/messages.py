@@ -140,6 +140,12 @@ class Result:
     code: str | None = None
     error_type: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    completion_tokens: int | None = None  # tokens decoded, the stop's included; None: output_ids
+
+    @property
+    def generated(self) -> int:
+        """The tokens decode made (what usage counts): the answer's, and a stop sequence's cut off."""
+        return len(self.output_ids) if self.completion_tokens is None else self.completion_tokens
 
     @classmethod
     def failed(

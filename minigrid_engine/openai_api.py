@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed tak
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses it too (the model never ends by itself)
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_TOKENS = 128
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: deprecated
 # OpenAI parameters minigrid does not implement, each with the values that mean "off" (clients send
 # their defaults: accepted) and what minigrid does instead. Any other value is refused, never
 # ignored: an answer that silently lacks what was asked for is wrong in a way the client cannot see.
@@ -45,7 +46,42 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": (([],), "minigrid calls no functions"),
     "function_call": (("none",), "minigrid calls no functions"),
     "response_format": (({"type": "text"},), "minigrid answers in plain text only"),
+    "modalities": ((["text"],), "minigrid answers in text only"),
+    "audio": ((), "minigrid answers in text only"),
+    "prediction": ((), "minigrid makes no use of predicted outputs"),
+    "reasoning_effort": ((), "the model does not reason before it answers"),
+    "verbosity": ((), "the model's answer length is max_tokens and stop"),
+    "web_search_options": ((), "minigrid searches nothing"),
+    # what other engines (vLLM, SGLang) add, off at the values they mean off
+    "top_k": ((-1, 0), "minigrid samples from the whole distribution"),
+    "min_p": ((0, 0.0), "minigrid samples from the whole distribution"),
+    "repetition_penalty": ((1, 1.0), "minigrid applies no penalties"),
+    "min_tokens": ((0,), "minigrid stops at the first stop sequence"),
+    "include_stop_str_in_output": ((False,), "minigrid leaves the stop text out, as OpenAI does"),
 }
+# Fields that change nothing minigrid returns: who the user is, storage and routing hints, and
+# (the model has no end-of-text token) whether to ignore it. Accepted, and that is all.
+INERT = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "safety_identifier",
+        "prompt_cache_key",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+    }
+)
+# Every other field is refused by name: a misspelt "max_token" would otherwise decode 16 tokens
+# and the client would never learn why.
+SAMPLING = frozenset(
+    {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options"}
+)
+COMPLETION_FIELDS = SAMPLING | {"prompt"} | set(UNSUPPORTED) | INERT
+CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens"} | set(UNSUPPORTED) | INERT
 
 
 class BadRequest(Exception):
@@ -82,7 +118,7 @@ class Sampling:
     prompt_ids: list[int]
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # when sampling: the client's, or one drawn for this request alone
     stop: tuple[tuple[int, ...], ...] = ()  # stop sequences as token ids
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last event with the usage
@@ -107,14 +143,14 @@ class Bodies:
     # -- the two endpoints -----------------------------------------------------------------
     def completion(self, body: Any) -> Sampling:
         """A `/v1/completions` body."""
-        self._object(body)
+        self._object(body, COMPLETION_FIELDS, "/v1/completions")
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", "missing_required_parameter", "prompt")
         return self._sampling(body, self.prompt_ids(body["prompt"]), "max_tokens", "prompt")
 
     def chat(self, body: Any) -> Sampling:
         """A `/v1/chat/completions` body (`max_completion_tokens`, or the older `max_tokens`)."""
-        self._object(body)
+        self._object(body, CHAT_FIELDS, "/v1/chat/completions")
         if "messages" not in body:
             raise BadRequest("'messages' is required", "missing_required_parameter", "messages")
         prompt = chat_prompt(self.messages(body["messages"]))
@@ -122,11 +158,24 @@ class Bodies:
         return self._sampling(body, self._encode(prompt, "messages"), field, "messages")
 
     # -- the parts -------------------------------------------------------------------------
-    def _object(self, body: Any) -> None:
+    def _object(self, body: Any, fields: frozenset[str], endpoint: str) -> None:
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
-        if "model" in body and body["model"] != MODEL_ID:
-            raise unknown_model(body["model"])
+        unknown = sorted(k for k in body if k not in fields)
+        if unknown:
+            raise BadRequest(
+                f"unrecognized request argument supplied: {shown(unknown[0])} is not a parameter of "
+                f"{endpoint} (minigrid refuses what it does not know rather than ignore it)",
+                "unknown_parameter",
+                unknown[0][:60],
+            )
+        if "model" in body:
+            if not isinstance(body["model"], str):
+                raise BadRequest(
+                    f"'model' must be a string, got {shown(body['model'])}", "invalid_type", "model"
+                )
+            if body["model"] != MODEL_ID:
+                raise unknown_model(body["model"])
 
     def _sampling(self, body: dict[str, Any], ids: list[int], max_field: str, prompt_field: str) -> Sampling:
         max_tokens = body.get(max_field)
@@ -173,7 +222,7 @@ class Bodies:
         for name, (off, instead) in UNSUPPORTED.items():
             value = body.get(name)
             if value is not None and not any(type(value) is type(o) and value == o for o in off):
-                allowed = " or ".join(json.dumps(o) for o in off)
+                allowed = " or ".join(["null"] + [json.dumps(o) for o in off])
                 raise BadRequest(
                     f"'{name}' is not supported ({instead}): leave it out or send {allowed}, got "
                     f"{shown(value)}",
@@ -188,6 +237,10 @@ class Bodies:
                 "context_length_exceeded",
                 prompt_field,
             )
+        if seed is None and temperature > 0:
+            # No seed: a fresh one for this request, as OpenAI samples afresh on every call
+            # (decode adds 1 to it, so stay clear of the top of the range).
+            seed = secrets.randbits(62)
         return Sampling(
             ids,
             max_tokens,
@@ -223,6 +276,20 @@ class Bodies:
         if isinstance(prompt, list):
             if not prompt:
                 raise BadRequest("'prompt' is an empty list of token ids", "invalid_prompt", "prompt")
+            if all(isinstance(p, (str, list)) for p in prompt):
+                raise BadRequest(
+                    f"'prompt' is a batch of {len(prompt)} prompts: minigrid answers one prompt per "
+                    "request (send each on its own)",
+                    "unsupported_parameter",
+                    "prompt",
+                )
+            if len(prompt) >= self.context_length:  # too long whatever it holds: say so before reading it
+                raise BadRequest(
+                    f"This model's maximum context length is {self.context_length} tokens. However, "
+                    f"your prompt holds {len(prompt)} tokens, and the completion needs at least 1 more.",
+                    "context_length_exceeded",
+                    "prompt",
+                )
             vocab = self.tokenizer.vocab_size
             for i, t in enumerate(prompt):
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
@@ -354,10 +421,11 @@ CHAT, TEXT = "chat", "text"
 
 
 def usage(result: Result) -> dict[str, int]:
+    """Token counts as OpenAI bills them: a stop sequence's tokens were decoded, so they count."""
     return {
         "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": len(result.output_ids),
-        "total_tokens": result.prompt_tokens + len(result.output_ids),
+        "completion_tokens": result.generated,
+        "total_tokens": result.prompt_tokens + result.generated,
     }
 
 

@@ -83,6 +83,7 @@ class Request:
     finished_at: float | None = None
     stop: tuple[tuple[int, ...], ...] = ()  # stop sequences, as token ids
     stream: bool = False  # the client reads tokens as they come
+    stop_tokens: int = 0  # tokens decoded, then cut off as the stop sequence they completed
 
     @property
     def prompt_len(self) -> int:
@@ -96,6 +97,7 @@ class Request:
         for s in self.stop:
             if len(self.output_ids) >= len(s) and tuple(self.output_ids[-len(s) :]) == s:
                 del self.output_ids[-len(s) :]
+                self.stop_tokens = len(s)
                 return True
         return False
 

@@ -859,7 +859,8 @@ class Router:
 
     # -- the HTTP application ------------------------------------------------------------
     def app(self) -> FastAPI:
-        app = FastAPI(title="minigrid", docs_url=None, redoc_url=None)
+        # no redirect of /v1/completions/ to /v1/completions: a 307 with no OpenAI body helps no client
+        app = FastAPI(title="minigrid", docs_url=None, redoc_url=None, redirect_slashes=False)
         router = self
 
         @app.exception_handler(StarletteHTTPException)
@@ -884,7 +885,11 @@ class Router:
             first = exc.errors()[0] if exc.errors() else {}
             loc = [str(x) for x in first.get("loc", ()) if x not in ("query", "path", "body")]
             param = loc[-1] if loc else None
-            expected = {"int_parsing": "an integer", "missing": "given"}.get(first.get("type", ""), "valid")
+            expected = {
+                "int_parsing": "an integer",
+                "int_parsing_size": "an integer of at most 4,300 digits",
+                "missing": "given",
+            }.get(first.get("type", ""), "valid")
             got = f", got {oai.shown(first['input'])}" if first.get("type") != "missing" else ""
             return api_error(
                 400, f"'{param}' must be {expected}{got}", "invalid_request_error", "invalid_value", param
@@ -922,7 +927,9 @@ class Router:
                 return unauthorized()
             try:
                 raw = await read_body(request)
-                body = parse_json(raw)
+                # a body of megabytes takes a while to parse: off the event loop, so that other
+                # clients (and /health) are not kept waiting
+                body = parse_json(raw) if len(raw) < 2**16 else await asyncio.to_thread(parse_json, raw)
                 ask = router.bodies.chat(body) if kind == oai.CHAT else router.bodies.completion(body)
             except BadRequest as exc:
                 router.requests_total.labels("disconnected" if exc.status == 499 else "invalid").inc()
@@ -1071,7 +1078,7 @@ class Router:
                 return api_error(err.status, err.message, "invalid_request_error", err.code, err.param)
             return JSONResponse(model_card())
 
-        @app.get("/health")
+        @app.api_route("/health", methods=["GET", "HEAD"])
         async def health() -> Response:
             h = router.health()
             return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
@@ -1124,7 +1131,7 @@ class Router:
                         f'send {{"fixes": ...}} with {valid}; got {oai.shown(body)}', "invalid_value", "fixes"
                     )
                 try:
-                    fixes = parse_fixes(spec)
+                    fixes = parse_fixes(spec, what="fixes")
                 except ConfigError as exc:
                     raise BadRequest(f"{exc} (valid: {valid})", "invalid_value", "fixes") from None
             except BadRequest as exc:

@@ -36,6 +36,14 @@ from cli_run import minigrid
             "the admin key is also the key of tenant 'alice'",
         ),
         (
+            ["serve", "--preset", "corrected", "--tenants", "zo\u00eb:cl\u00e9-zo\u00eb"],
+            "the API key of tenant 'zo\u00eb' holds the character '\u00e9' (U+00E9)",
+        ),
+        (
+            ["serve", "--preset", "corrected", "--admin-key", "sk admin"],
+            "the admin key holds the character ' ' (U+0020)",
+        ),
+        (
             ["check-protocol", "--requests", "alice:9"],
             "alice-1: 9 pages; prompts run from 1 page to the context",
         ),

@@ -81,8 +81,8 @@ BODIES: dict[str, tuple[bytes, int, str, str | None]] = {
     "nested 100k in prompt": (b'{"prompt": ' + nested(100_000) + b"}", 400, "invalid_json", None),
     "nested 900 in model": (
         b'{"prompt": "hi", "model": ' + nested(900) + b"}",
-        404,
-        "model_not_found",
+        400,
+        "invalid_type",
         "model",
     ),
     "nested 900 in max_tokens": (
@@ -116,7 +116,7 @@ FIELDS: dict[str, tuple[Any, int, str, str | None]] = {
     "prompt object": ({"prompt": {"text": "hi"}}, 400, "invalid_type", "prompt"),
     "prompt bool": ({"prompt": True}, 400, "invalid_type", "prompt"),
     "prompt empty list": ({"prompt": []}, 400, "invalid_prompt", "prompt"),
-    "two prompts": ({"prompt": ["a", "b"]}, 400, "invalid_type", "prompt"),
+    "two prompts": ({"prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
     "token id 256": ({"prompt": [65, 256]}, 400, "invalid_type", "prompt"),
     "token id -1": ({"prompt": [-1]}, 400, "invalid_type", "prompt"),
     "token id bool": ({"prompt": [65, True]}, 400, "invalid_type", "prompt"),
@@ -178,6 +178,25 @@ FIELDS: dict[str, tuple[Any, int, str, str | None]] = {
     "top_p -0.1": ({"prompt": "hi", "top_p": -0.1}, 400, "invalid_value", "top_p"),
     "top_p string": ({"prompt": "hi", "top_p": "1"}, 400, "invalid_value", "top_p"),
     "unknown model": ({"prompt": "hi", "model": "gpt-5"}, 404, "model_not_found", "model"),
+    "model null": ({"prompt": "hi", "model": None}, 400, "invalid_type", "model"),
+    "misspelt max_token": ({"prompt": "hi", "max_token": 3}, 400, "unknown_parameter", "max_token"),
+    "unknown foo": ({"prompt": "hi", "foo": 1}, 400, "unknown_parameter", "foo"),
+    "messages on completions": (
+        {"prompt": "hi", "messages": []},
+        400,
+        "unknown_parameter",
+        "messages",
+    ),
+    "top_k 5": ({"prompt": "hi", "top_k": 5}, 400, "unsupported_parameter", "top_k"),
+    "min_p 0.1": ({"prompt": "hi", "min_p": 0.1}, 400, "unsupported_parameter", "min_p"),
+    "repetition_penalty 1.2": (
+        {"prompt": "hi", "repetition_penalty": 1.2},
+        400,
+        "unsupported_parameter",
+        "repetition_penalty",
+    ),
+    "batch of two token lists": ({"prompt": [[65], [66]]}, 400, "unsupported_parameter", "prompt"),
+    "900,000 token ids": ({"prompt": [65] * 900_000}, 400, "context_length_exceeded", "prompt"),
     "over the context": ({"prompt": "x" * 1020, "max_tokens": 16}, 400, "context_length_exceeded", "prompt"),
     "3 MB prompt": ({"prompt": "x" * 3 * 2**20}, 400, "context_length_exceeded", "prompt"),
 }
@@ -251,6 +270,24 @@ CHAT_FIELDS: dict[str, tuple[Any, int, str, str | None]] = {
         404,
         "model_not_found",
         "model",
+    ),
+    "audio out": (
+        {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]},
+        400,
+        "unsupported_parameter",
+        "modalities",
+    ),
+    "reasoning_effort": (
+        {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"},
+        400,
+        "unsupported_parameter",
+        "reasoning_effort",
+    ),
+    "prompt on chat": (
+        {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi"},
+        400,
+        "unknown_parameter",
+        "prompt",
     ),
 }
 
@@ -381,6 +418,7 @@ ROUTES = [
     ("GET", "/v1/minigrid/../../etc/passwd", 404, "not_found"),
     ("GET", "/v1/minigrid/trace?since=abc", 400, "invalid_value"),
     ("GET", "/v1/models/gpt-5", 404, "model_not_found"),
+    ("POST", "/v1/completions/", 404, "not_found"),  # no 307 to the route without the slash
 ]
 
 
@@ -456,13 +494,45 @@ def test_the_defaults_clients_send_for_unsupported_parameters_are_accepted(http:
         "logit_bias": {},
         "top_p": 1,
         "user": "anyone",
+        "top_k": -1,
+        "repetition_penalty": 1.0,
+        "ignore_eos": True,  # the model has no end-of-text token: true or false, the same answer
+        "metadata": {"class": "tuesday"},
     }
     r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, **offs}, headers=ALICE)
     assert r.status_code == 200, r.text
-    chat = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "top_logprobs": 0}
+    chat = {
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "top_logprobs": 0,
+        "modalities": ["text"],
+        "parallel_tool_calls": True,
+        "store": False,
+        "reasoning_effort": None,
+    }
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "logprobs": False, **chat}
     r = http.post("/v1/chat/completions", json={**body, "top_p": 0.5}, headers=ALICE)  # greedy: no effect
     assert r.status_code == 200, r.text
+
+
+def test_health_answers_head_too(http: httpx.Client) -> None:
+    r = http.head("/health")
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_sampling_without_a_seed_samples_afresh_and_a_seed_repeats(http: httpx.Client) -> None:
+    """As OpenAI: with no seed every call samples anew; with one, the same answer each time."""
+
+    def text(**extra: Any) -> str:
+        body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.5, **extra}
+        r = http.post("/v1/completions", json=body, headers=ALICE)
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["text"])
+
+    unseeded = [text() for _ in range(5)]
+    assert len(set(unseeded)) > 1, unseeded
+    assert len({text(seed=11) for _ in range(3)}) == 1
 
 
 def test_the_auth_scheme_is_case_insensitive(http: httpx.Client) -> None:

@@ -129,7 +129,8 @@ def test_a_stop_sequence_ends_the_answer_where_it_first_shows(client: openai.Ope
     choice = r.choices[0]
     assert choice.finish_reason == "stop"
     assert choice.text == full[: full.index(stop)]
-    assert r.usage is not None and r.usage.completion_tokens == len(choice.text.encode())
+    # the stop's tokens were decoded too: usage counts them, as OpenAI bills them
+    assert r.usage is not None and r.usage.completion_tokens == len(choice.text.encode()) + len(stop.encode())
 
 
 def test_a_stop_that_never_shows_changes_nothing(client: openai.OpenAI) -> None:
@@ -148,7 +149,8 @@ def test_chat_answers_what_the_same_text_as_a_completion_answers(client: openai.
 
 @pytest.mark.parametrize("stop", [None, "card"])
 def test_a_streamed_completion_is_the_whole_one_in_pieces(client: openai.OpenAI, stop: str | None) -> None:
-    want = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, stop=stop).choices[0]
+    whole_reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, stop=stop)
+    want = whole_reply.choices[0]
     chunks = list(
         client.completions.create(
             model=MODEL,
@@ -164,7 +166,9 @@ def test_a_streamed_completion_is_the_whole_one_in_pieces(client: openai.OpenAI,
     assert sum(1 for t in texts if t) > 5  # it came token by token, not in one piece at the end
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == len(want.text.encode())
+    assert chunks[-1].usage == whole_reply.usage
+    stopped = len((stop or "").encode()) if want.finish_reason == "stop" else 0
+    assert chunks[-1].usage.completion_tokens == len(want.text.encode()) + stopped
 
 
 def test_a_streamed_chat_is_the_whole_one_in_pieces(client: openai.OpenAI) -> None:
