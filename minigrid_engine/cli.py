@@ -365,16 +365,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser("generate", help="complete one prompt in a single process")
-    g.add_argument("--tenant", default="cli")
+    g.add_argument("--tenant", default="cli", help="who the request is for; pages carry this name (cli)")
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--prompt-file", type=argparse.FileType("rb"), help="read the prompt (UTF-8) from a file")
-    g.add_argument("--max-tokens", type=positive_int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=positive_int, default=32, help="most tokens to generate (32)")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 picks the likeliest token (greedy); above 0 samples (0)",
+    )
     g.add_argument("--seed", type=int, help="seed of the sampler when --temperature is above 0 (0)")
     g.add_argument(
         "--stop", action="append", metavar="TEXT", help="end the answer at this text, left out (repeatable)"
     )
-    g.add_argument("--context-length", type=positive_int, default=1024)
+    g.add_argument(
+        "--context-length", type=positive_int, default=1024, help="longest prompt + answer, in tokens (1024)"
+    )
     g.add_argument(
         "--attention", choices=["torch", "triton"], default="torch", help="paged attention backend (torch)"
     )
@@ -388,20 +395,29 @@ def build_parser() -> argparse.ArgumentParser:
         default="incident",
         help="incident: context 1024 over a 665-token prefill pool; corrected: pool 2048",
     )
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--context-length", type=positive_int)
-    s.add_argument("--page-size", type=positive_int)
-    s.add_argument("--prefill-pool-tokens", type=positive_int)
-    s.add_argument("--decode-pool-tokens", type=positive_int)
+    s.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds (127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="HTTP port (8000; 0: any free port)")
     s.add_argument(
-        "--fixes", help="none (the incident), all (default), or a comma-separated list of fix names"
+        "--context-length", type=positive_int, help="the advertised context, in tokens (1024 in both presets)"
+    )
+    s.add_argument("--page-size", type=positive_int, help="tokens per KV page (128)")
+    s.add_argument(
+        "--prefill-pool-tokens",
+        type=positive_int,
+        help="prefill KV pool, in tokens (incident 665, corrected 2048)",
+    )
+    s.add_argument("--decode-pool-tokens", type=positive_int, help="decode KV pool, in tokens (4096)")
+    s.add_argument(
+        "--fixes",
+        help="none (the incident), all (the default; none with --workshop), or fix names, comma-separated",
     )
     s.add_argument("--tenants", help="NAME:KEY,NAME:KEY (default alice:sk-alice,bob:sk-bob)")
     s.add_argument("--admin-key", help="key that may read page pools and every trace (or MINIGRID_ADMIN_KEY)")
-    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    s.add_argument("--attention", choices=["torch", "triton"], default="torch")
-    s.add_argument("--max-batch", type=positive_int)
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the workers compute (cpu)")
+    s.add_argument(
+        "--attention", choices=["torch", "triton"], default="torch", help="paged attention backend (torch)"
+    )
+    s.add_argument("--max-batch", type=positive_int, help="requests decoded together in one step (32)")
     s.add_argument(
         "--release-timeout",
         dest="release_timeout_s",
@@ -473,16 +489,16 @@ def build_parser() -> argparse.ArgumentParser:
         "audit", help="check from a running engine's /metrics that its pools cover the context"
     )
     au.add_argument("--url", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
-    au.add_argument("--json", action="store_true")
-    au.add_argument("--timeout", type=float, default=10.0)
+    au.add_argument("--json", action="store_true", help="the verdict as JSON")
+    au.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for /metrics (10)")
     au.set_defaults(func=cmd_audit)
 
     f = sub.add_parser(
         "fuzz",
         help="randomized multi-tenant campaign with canaries: exit 0 when isolation holds, 1 on a leak",
     )
-    f.add_argument("--requests", type=positive_int, default=200)
-    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--requests", type=positive_int, default=200, help="requests in the campaign (200)")
+    f.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and hang-ups (0)")
     f.add_argument("--fixes", default="all", help="none (the incident), all (default), or fix names")
     f.add_argument("--tenants", type=positive_int, default=3, help="how many tenants (3)")
     f.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight at once (8)")
@@ -494,10 +510,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: corrected when capacity-check is on (it refuses the incident's numbers), else incident",
     )
-    f.add_argument("--context-length", type=positive_int)
-    f.add_argument("--page-size", type=positive_int)
-    f.add_argument("--prefill-pool-tokens", type=positive_int)
-    f.add_argument("--decode-pool-tokens", type=positive_int)
+    f.add_argument(
+        "--context-length", type=positive_int, help="the advertised context, in tokens (the preset's)"
+    )
+    f.add_argument("--page-size", type=positive_int, help="tokens per KV page (the preset's)")
+    f.add_argument(
+        "--prefill-pool-tokens", type=positive_int, help="prefill KV pool, in tokens (the preset's)"
+    )
+    f.add_argument("--decode-pool-tokens", type=positive_int, help="decode KV pool, in tokens (the preset's)")
     f.add_argument("--json", action="store_true", help="the report as JSON (no progress bar)")
     f.set_defaults(func=cmd_fuzz)
 
@@ -531,7 +551,13 @@ def build_parser() -> argparse.ArgumentParser:
         "Without --fixes: the table of none, each fix alone and all, and the shortest counterexample. "
         "One unit is one page.",
     )
-    m.add_argument("--scenario", choices=["incident", "late-transfer", "combined", "all"], default="incident")
+    m.add_argument(
+        "--scenario",
+        choices=["incident", "late-transfer", "combined", "all"],
+        default="incident",
+        help="incident: a prompt longer than the prefill pool; late-transfer: a transfer lands after decode "
+        "gave up on it; combined: the incident with timeouts, a loss and a duplicate (incident)",
+    )
     m.add_argument("--fixes", help="check one setting (none, all, or fix names) and print its trace")
     m.add_argument("--requests", metavar="TENANT:PAGES,...", help="the requests, e.g. alice:2,bob:3")
     m.add_argument("--prefill-pages", type=positive_int, help="pages in the prefill pool")
@@ -546,12 +572,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--losses", type=int, help="messages the network may lose (0-3)")
     m.add_argument("--duplicates", type=int, help="messages the network may deliver twice (0-3)")
     m.add_argument("--max-states", type=positive_int, help="stop a search after this many states (2,000,000)")
-    m.add_argument("--json", action="store_true")
+    m.add_argument("--json", action="store_true", help="the results as JSON")
     m.set_defaults(func=cmd_check_protocol)
 
     q = sub.add_parser("pool", help="show the size of a KV pool: tokens, pages, bytes")
     _add_pool_flags(q)
-    q.add_argument("--json", action="store_true")
+    q.add_argument("--json", action="store_true", help="the sizes as JSON")
     q.set_defaults(func=cmd_pool)
     return p
 
