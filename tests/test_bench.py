@@ -58,6 +58,8 @@ def test_serve_bench(tmp_path: Path) -> None:
 
 
 def test_fixes_bench(tmp_path: Path) -> None:
-    r = run("fixes.py", tmp_path / "f.json", "--requests", "4", "--clients", "2", "--rounds", "1")
+    r = run("fixes.py", tmp_path / "f.json", "--requests", "4", "--clients", "2", "--rounds", "2")
     assert {row["fixes"] for row in r["table"]} >= {"none", "all", "kv-checksum", "owner-check"}
+    assert all(len(row["completion_tokens_per_s_rounds"]) == 2 for row in r["table"])
+    assert r["noise"]["throughput"] >= 0 and r["noise"]["ttft_p50"] >= 0  # two rounds: a spread
     assert [row["page_size"] for row in r["scrub_by_page_size"]] == [16, 32, 64, 128, 256, 512]

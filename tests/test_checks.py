@@ -88,3 +88,21 @@ def test_slot_reference_is_the_engine_lookup(ps: int) -> None:
     for pos in range(3 * ps):
         page, off = solution("slot")(pos, table, ps)
         assert page * ps + off == int(slot_ids(torch.tensor(table), torch.tensor([pos]), ps)[0])
+
+
+def test_program_pages_against_the_recorded_kernel_run() -> None:
+    from minigrid_engine import kernels
+    from minigrid_engine.model import ModelConfig
+    from minigrid_engine.pool import KVPool, PoolConfig
+
+    pool = KVPool(PoolConfig(128, 16), ModelConfig(), role="decode")
+    bob = pool.reserve("bob-2", "bob", 100)  # 7 pages; 70 tokens read: the first 5
+    rows = kernels.kernel_reads(pool, [bob.pages], [70], ["bob-2"], num_splits=2)
+    assert checks.check_program_pages(solution("program_pages"), rows, bob.pages, 70, 16).ok
+    v = checks.check_program_pages(lambda table, n, ps: table[: n // ps], rows, bob.pages, 70, 16)
+    assert not v.ok and "Blocks past the length" in v.message  # forgot the partly filled last page
+    # right on every case of its own, wrong about what the kernel read: a reversed block table
+    v = checks.check_program_pages(
+        lambda table, n, ps: table[: -(-n // ps)] if n != 70 else table[::-1][:5], rows, bob.pages, 70, 16
+    )
+    assert not v.ok and "recorded above" in v.message

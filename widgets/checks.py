@@ -224,15 +224,19 @@ def check_affected(
 
 
 # -- 07-09 the fixes -------------------------------------------------------------------------
-def check_prediction(predicted: dict[str, str], observed: dict[str, str]) -> Verdict:
+def check_prediction(
+    predicted: dict[str, str],
+    observed: dict[str, str],
+    lesson: str = "each fix shows the client something different: that is the lesson.",
+) -> Verdict:
     """Predicted client outcomes ('200 leak', '400', 'error', '200 clean') against what ran."""
     if not predicted or any(v in (None, "", "?") for v in predicted.values()):
-        return _verdict("prediction", False, "fill in a prediction for every fix first.")
+        return _verdict("prediction", False, f"fill in a prediction for {', '.join(observed)} first.")
     wrong = {f: (predicted.get(f), o) for f, o in observed.items() if predicted.get(f) != o}
     if wrong:
         parts = "; ".join(f"{f}: you said {p!r}, the engine gave {o!r}" for f, (p, o) in wrong.items())
         return _verdict("prediction", False, parts)
-    return _verdict("prediction", True, "each fix shows the client something different: that is the lesson.")
+    return _verdict("prediction", True, lesson)
 
 
 def check_checksum(fn: Callable[[list[bytes], list[int]], list[int]]) -> Verdict:
@@ -282,29 +286,47 @@ def check_owner_check(fn: Callable[[list[int], dict[int, str | None], str], list
 
 # -- 12 the kernel ---------------------------------------------------------------------------
 def check_program_pages(
-    fn: Callable[[list[int], int, int], list[int]], rows: list[dict[str, Any]]
+    fn: Callable[[list[int], int, int], list[int]],
+    rows: list[dict[str, Any]],
+    block_table: list[int],
+    seq_len: int,
+    page_size: int,
 ) -> Verdict:
-    """`fn(block_table, seq_len, page_size)` -> the pages a decode program reads, in order."""
+    """`fn(block_table, seq_len, page_size)` -> the pages a decode program reads, in order; on
+    cases of its own, then against `rows`, what the kernel recorded reading for that request."""
     import random
 
     rng = random.Random(11)
     cases = [(rng.sample(range(64), 6), rng.randint(1, 6 * ps), ps) for ps in (1, 16, 128) for _ in range(5)]
-    for table, seq_len, ps in cases:
-        got, bad = _run("program_pages", fn, table, seq_len, ps)
+    for table, length, ps in cases:
+        got, bad = _run("program_pages", fn, table, length, ps)
         if bad:
             return bad
-        want = table[: -(-seq_len // ps)]
+        want = table[: -(-length // ps)]
         if list(got or []) != want:
             return _verdict(
                 "program_pages",
                 False,
-                f"block table {table}, {seq_len} tokens, pages of {ps}: the kernel reads blocks 0.."
+                f"block table {table}, {length} tokens, pages of {ps}: the kernel reads blocks 0.."
                 f"{len(want) - 1}, pages {want}; you said {got!r}. Blocks past the length are never read.",
             )
-    if rows:  # and what the real kernel did, recorded under the interpreter
-        read = [r["page"] for r in rows if r["kv_head"] == 0 and r["request"] == rows[0]["request"]]
-        if not read:
-            return _verdict("program_pages", False, "the recorded kernel run read no page")
+    # and what the real kernel did, recorded under the interpreter: the splits of one kv head
+    # share the blocks out, so together they read each block once
+    first = rows[0]["request"] if rows else None
+    by_block = {r["block"]: r["page"] for r in rows if r["kv_head"] == 0 and r["request"] == first}
+    recorded = [by_block[b] for b in sorted(by_block)]
+    if not recorded:
+        return _verdict("program_pages", False, "the recorded kernel run read no page: run the cells above")
+    got, bad = _run("program_pages", fn, list(block_table), seq_len, page_size)
+    if bad:
+        return bad
+    if list(got or []) != recorded:
+        return _verdict(
+            "program_pages",
+            False,
+            f"the kernel, recorded above, read pages {recorded} of the block table {list(block_table)} "
+            f"for {seq_len} tokens in pages of {page_size}; you said {got!r}.",
+        )
     return _verdict("program_pages", True, "the kernel reads exactly the pages its block table names.")
 
 

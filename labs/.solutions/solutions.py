@@ -56,6 +56,15 @@ TRANSFER_PREDICTIONS = {  # 08: the transfer fixes turn the leak into an error, 
 }
 
 
+MEMORY_PREDICTIONS = {  # 09: scrubbing hides the leak behind a clean 200; the read check fails loudly
+    "scrub-on-free": "200 clean",
+    "owner-check": "error",
+}
+
+
+OVERSIZED_PREDICTION = "200"  # 04: not the error the team assumed
+
+
 def checksum(pages, checksums):  # 08
     return [i for i, (p, c) in enumerate(zip(pages, checksums)) if zlib.adler32(p) != c]
 
