@@ -92,6 +92,8 @@ def audit(url: str, timeout_s: float = 10) -> AuditReport:
     target = base if base.endswith("/metrics") else base + "/metrics"
     try:
         r = httpx.get(target, timeout=timeout_s)
+    except httpx.InvalidURL as exc:
+        raise MinigridError(f"{url!r} is not a URL the audit can read: {exc}") from None
     except httpx.HTTPError as exc:
         raise MinigridError(f"cannot read {target}: {exc}") from None
     if r.status_code != 200:

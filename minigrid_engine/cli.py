@@ -62,6 +62,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text} seconds: give a number above 0, e.g. 10")
+    return value
+
+
 def workers_per_role(text: str) -> int:
     value = positive_int(text)
     if value > 8:
@@ -101,7 +111,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from minigrid_engine.engine import Engine
+    from minigrid_engine.engine import Engine, validate_seed, validate_temperature
     from minigrid_engine.request import Outcome
     from minigrid_engine.tokenizer import ByteTokenizer
 
@@ -110,7 +120,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = args.prompt_file.read()  # bytes: the tokenizer names any invalid UTF-8
     if prompt is None:
         raise MinigridError("give a prompt with --prompt TEXT or --prompt-file PATH")
-    ids = ByteTokenizer().encode(prompt)  # bad prompts fail before the model loads
+    ids = ByteTokenizer().encode(prompt)  # bad prompts and sampling fail before the model loads
+    validate_temperature(args.temperature)
+    validate_seed(args.seed)
     pool = _pool_config(args, 2 * args.context_length)
     engine = Engine(pool=pool, context_length=args.context_length, attention=args.attention)
     print(engine.pool.describe(), file=sys.stderr)
@@ -129,14 +141,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from minigrid_engine.fixes import parse_fixes
     from minigrid_engine.serve import serve
 
-    base = corrected_preset() if args.preset == "corrected" else incident_preset()
-    changes: dict[str, object] = {
-        "host": args.host,
-        "port": args.port,
-        "device": args.device,
-        "attention": args.attention,
-    }
+    if args.config is not None:  # the settings as JSON (Engine.start passes its config so)
+        if args.preset is not None:
+            raise MinigridError(f"--config {args.config} and --preset {args.preset}: choose one")
+        base = _config_file(args.config)
+    else:
+        base = corrected_preset() if args.preset == "corrected" else incident_preset()
+    changes: dict[str, object] = {}
     for flag in (
+        "host",
+        "port",
+        "device",
+        "attention",
         "context_length",
         "page_size",
         "prefill_pool_tokens",
@@ -157,8 +173,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # capacity-check refuses to start, which is the point: `--fixes none` reproduces the incident.
     # A workshop room starts with the fixes off: the lesson is the leak (the instructor switches
     # them on live, POST /v1/minigrid/fixes).
-    default_fixes = "none" if args.workshop is not None else "all"
-    changes["fixes"] = parse_fixes(args.fixes if args.fixes is not None else default_fixes)
+    if args.fixes is not None:
+        changes["fixes"] = parse_fixes(args.fixes)
+    elif args.workshop is not None:
+        changes["fixes"] = parse_fixes("none")
+    elif args.config is None:  # a config file says its own fixes
+        changes["fixes"] = parse_fixes("all")
     if args.tenants is not None:
         changes["tenants"] = parse_tenants(args.tenants)
     authkey = None
@@ -189,6 +209,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise MinigridError("--keys-file, --overwrite-keys and --public-url go with --workshop N")
     cfg = base.with_(**changes)
     return serve(cfg, args.ready_file, on_listening, authkey)
+
+
+def _config_file(path: Path):  # -> ServeConfig
+    from minigrid_engine.config import ServeConfig
+    from minigrid_engine.errors import ConfigError
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: {exc.strerror}") from None
+    try:
+        return ServeConfig.from_json(text)
+    except ConfigError as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
 
 
 def _check_writable(path: Path, flag: str) -> None:
@@ -392,11 +426,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--preset",
         choices=["incident", "corrected"],
-        default="incident",
-        help="incident: context 1024 over a 665-token prefill pool; corrected: pool 2048",
+        help="incident (the default): context 1024 over a 665-token prefill pool; corrected: pool 2048",
     )
-    s.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds (127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="HTTP port (8000; 0: any free port)")
+    s.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="start from these settings instead of a preset: JSON with the fields of "
+        "minigrid_engine.config.ServeConfig (fixes: none unless the file says so); flags override them",
+    )
+    s.add_argument("--host", help="address the HTTP server binds (127.0.0.1)")
+    s.add_argument("--port", type=int, help="HTTP port (8000; 0: any free port)")
     s.add_argument(
         "--context-length", type=positive_int, help="the advertised context, in tokens (1024 in both presets)"
     )
@@ -413,10 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--tenants", help="NAME:KEY,NAME:KEY (default alice:sk-alice,bob:sk-bob)")
     s.add_argument("--admin-key", help="key that may read page pools and every trace (or MINIGRID_ADMIN_KEY)")
-    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the workers compute (cpu)")
-    s.add_argument(
-        "--attention", choices=["torch", "triton"], default="torch", help="paged attention backend (torch)"
-    )
+    s.add_argument("--device", choices=["cpu", "cuda"], help="where the workers compute (cpu)")
+    s.add_argument("--attention", choices=["torch", "triton"], help="paged attention backend (torch)")
     s.add_argument("--max-batch", type=positive_int, help="requests decoded together in one step (32)")
     s.add_argument(
         "--release-timeout",
@@ -481,7 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dist-addr", help="this host's address for the KV transfer (gloo binds there)")
     w.add_argument("--index", type=int, help="which slot of the role (default: the first free one)")
     w.add_argument(
-        "--connect-timeout", type=float, default=60.0, help="seconds to keep trying the router (60)"
+        "--connect-timeout",
+        type=positive_seconds,
+        default=60.0,
+        help="seconds to keep trying the router (60)",
     )
     w.set_defaults(func=cmd_worker)
 
@@ -490,7 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     au.add_argument("--url", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
     au.add_argument("--json", action="store_true", help="the verdict as JSON")
-    au.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for /metrics (10)")
+    au.add_argument(
+        "--timeout", type=positive_seconds, default=10.0, help="seconds to wait for /metrics (10)"
+    )
     au.set_defaults(func=cmd_audit)
 
     f = sub.add_parser(
@@ -538,7 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fa.add_argument(
         "--restart-wait",
-        type=float,
+        type=positive_seconds,
         default=60.0,
         help="seconds to wait for a killed worker to come back (60)",
     )

@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from minigrid_engine.errors import ConfigError
@@ -28,6 +29,7 @@ MAX_WORKERS_PER_ROLE = 8
 ROLES = ("prefill", "decode")
 MAX_WORKER_RESTARTS = 100
 MAX_RESTART_WINDOW_S = 7 * 24 * 3600.0
+MAX_PAGE_SIZE = 4096  # tokens per KV page: what the pool (pool.py) and the kernels accept
 
 
 def _whole(name: str, value: object, minimum: int = 1) -> int:
@@ -118,6 +120,17 @@ class ServeConfig:
             raise ConfigError(f"--port {self.port} is not a TCP port (0-65535)")
         _whole("--context-length", self.context_length)
         _whole("--page-size", self.page_size)
+        if self.page_size > MAX_PAGE_SIZE:
+            raise ConfigError(f"--page-size {self.page_size}: at most {MAX_PAGE_SIZE} tokens per page")
+        _whole("worker_threads", self.worker_threads)
+        _whole("trace_maxlen", self.trace_maxlen)
+        if self.weights is not None and not isinstance(self.weights, str):
+            raise ConfigError(f"weights must be the path of a weights file, got {self.weights!r}")
+        if self.weights is not None and not os.path.isfile(self.weights):
+            raise ConfigError(
+                f"model weights not found at {self.weights}: "
+                "run `python -m minigrid_engine.train` to make them"
+            )
         _whole("--prefill-pool-tokens", self.prefill_pool_tokens)
         _whole("--decode-pool-tokens", self.decode_pool_tokens)
         _whole("--max-batch", self.max_batch)
@@ -150,6 +163,13 @@ class ServeConfig:
         if not self.tenants:
             raise ConfigError("at least one tenant is needed (--tenants NAME:KEY)")
         for name, key in self.tenants.items():
+            if not isinstance(name, str) or not name.strip() or name != name.strip():
+                raise ConfigError(f"tenant name {name!r}: give a name without spaces around it")
+            bad = next((c for c in name if not c.isprintable()), None)
+            if bad is not None:
+                raise ConfigError(
+                    f"tenant name {name!r} holds the character U+{ord(bad):04X}: use printable text"
+                )
             if not key.strip():  # an empty key would let "Authorization: Bearer " in as that tenant
                 raise ConfigError(f"tenant {name!r} has an empty API key")
             check_key_text(f"the API key of tenant {name!r}", key)
@@ -207,10 +227,29 @@ class ServeConfig:
 
     @classmethod
     def from_json(cls, text: str) -> ServeConfig:
-        d = json.loads(text)
-        d["fixes"] = parse_fixes(d["fixes"])
-        d["inject"] = tuple(d.get("inject", ()))
-        d["remote"] = tuple(d.get("remote", ()))
+        """The settings `to_json` wrote (or a person: any field left out keeps its default)."""
+        try:
+            d = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"not JSON: {exc}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"the settings must be a JSON object, got {type(d).__name__}")
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(
+                f"unknown setting(s) {', '.join(unknown)}: see minigrid_engine.config.ServeConfig"
+            )
+        if "fixes" in d:
+            d["fixes"] = parse_fixes(d["fixes"])
+        for name in ("inject", "remote"):
+            if name in d:
+                if not isinstance(d[name], list) or not all(isinstance(x, str) for x in d[name]):
+                    raise ConfigError(f"{name} must be a list of strings, got {d[name]!r}")
+                d[name] = tuple(d[name])
+        if "tenants" in d and not (
+            isinstance(d["tenants"], dict) and all(isinstance(v, str) for v in d["tenants"].values())
+        ):
+            raise ConfigError(f"tenants must map names to API keys, got {d['tenants']!r}")
         return cls(**d)
 
 

@@ -21,7 +21,7 @@ import torch
 from minigrid_engine.errors import BadInput, ConfigError
 from minigrid_engine.model import Transformer, load_model
 from minigrid_engine.pool import KVPool, PoolConfig
-from minigrid_engine.request import Outcome, Request, State
+from minigrid_engine.request import SEED_MAX, SEED_MIN, Outcome, Request, State
 from minigrid_engine.runner import DecodeItem, ModelRunner, sample
 from minigrid_engine.tokenizer import ByteTokenizer
 from minigrid_engine.trace import Trace
@@ -72,6 +72,14 @@ def validate_temperature(temperature: object) -> float:
     return float(temperature)
 
 
+def validate_seed(seed: object) -> int | None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadInput(f"seed must be a whole number, got {seed!r}")
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise BadInput(f"seed must be a 64-bit signed integer ({SEED_MIN} to {SEED_MAX}), got {seed}")
+    return seed
+
+
 class Engine:
     """Prefill and decode in one process over one KV pool, with continuous batching."""
 
@@ -118,6 +126,12 @@ class Engine:
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
         if not ids:
             raise BadInput("prompt is empty: send at least one token")
+        vocab = self.tokenizer.vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise BadInput(
+                    f"prompt holds {t!r} at index {i}: token ids are whole numbers from 0 to {vocab - 1}"
+                )
         if any(s == "" for s in stop):
             raise BadInput("a stop sequence is empty: give at least one character")
         req = Request(
@@ -126,7 +140,7 @@ class Engine:
             ids,
             validate_max_tokens(max_tokens),
             validate_temperature(temperature),
-            seed,
+            validate_seed(seed),
             stop=tuple(tuple(self.tokenizer.encode(s)) for s in stop),
         )
         need = req.prompt_len + req.max_tokens
@@ -151,11 +165,16 @@ class Engine:
             and self.pool.can_reserve(self._tokens(self.waiting[0]))
         ):
             req = self.waiting.popleft()
-            self.pool.reserve(req.request_id, req.tenant, self._tokens(req))
+            res = self.pool.reserve(req.request_id, req.tenant, self._tokens(req))
             req.advance(State.PREFILLING, self.trace)
-            res = self.pool.reservation(req.request_id)
-            logits = self.runner.prefill(req.request_id, req.tenant, req.prompt_ids, res.pages)
-            self._emit_token(req, logits)
+            try:
+                logits = self.runner.prefill(req.request_id, req.tenant, req.prompt_ids, res.pages)
+                self._emit_token(req, logits)
+            except BaseException:  # the request is in no queue now: its pages go back, then the error
+                self.pool.release(req.request_id)
+                self._generators.pop(req.request_id, None)
+                req.finish(Outcome.ABORTED, self.trace, "prefill failed")
+                raise
             req.advance(State.DECODING, self.trace)
             self.running.append(req)
             done += self._retire()

@@ -409,11 +409,13 @@ class CampaignReport:
 
 def select(only: str | None) -> list[FaultCase]:
     """The cases named in `only` (comma-separated), or all; unknown names are a `ConfigError`."""
-    if not only:
+    if only is None:
         return list(CASES)
     names = [n.strip() for n in only.split(",") if n.strip()]
+    if not names:
+        raise ConfigError(f"--only {only!r} names no case; choose from {', '.join(NAMES)}")
     unknown = [n for n in names if n not in NAMES]
-    if unknown or not names:
+    if unknown:
         raise ConfigError(
             f"--only {only!r}: unknown case {', '.join(unknown)}; choose from {', '.join(NAMES)}"
         )

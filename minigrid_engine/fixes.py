@@ -61,9 +61,13 @@ class Fixes:
         return ",".join(self.names()) or "none"
 
 
-def parse_fixes(text: str, what: str = "--fixes") -> Fixes:
-    """'none', 'all' or a comma-separated list of fix names; `what` names where they were given
-    in the errors (the flag at the command line, the field over HTTP)."""
+def parse_fixes(text: str | list[str] | tuple[str, ...], what: str = "--fixes") -> Fixes:
+    """'none', 'all' or a comma-separated list of fix names (or a list of them); `what` names
+    where they were given in the errors (the flag at the command line, the field over HTTP)."""
+    if isinstance(text, (list, tuple)) and all(isinstance(n, str) for n in text):
+        text = ",".join(text)
+    if not isinstance(text, str):
+        raise ConfigError(f"{what} {text!r}: give none, all, or names from {', '.join(FIXES)}")
     spec = text.strip().lower()
     if spec == "none":
         return Fixes.none()

@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from minigrid_engine.config import DEFAULT_TENANTS, ServeConfig, incident_preset
+from minigrid_engine.config import DEFAULT_TENANTS, ServeConfig, check_key_text, incident_preset
 from minigrid_engine.errors import MinigridError
 from minigrid_engine.fixes import Fixes, parse_fixes
 from minigrid_engine.forensics import pages_read
@@ -65,6 +65,31 @@ class Reply:
 
 class EngineNotReady(MinigridError):
     pass
+
+
+class EngineUnreachable(MinigridError):
+    """The engine did not answer: not running (any more), a wrong URL, or this handle stopped."""
+
+
+class _Client(httpx.Client):
+    """httpx, with the handle's failures said in the handle's terms instead of httpx's."""
+
+    def build_request(self, *args: Any, **kwargs: Any) -> httpx.Request:
+        try:
+            return super().build_request(*args, **kwargs)
+        except (TypeError, ValueError) as exc:  # JSON cannot carry it: bytes, NaN, a set ...
+            raise MinigridError(f"this request cannot be sent as JSON: {exc}") from None
+
+    def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+        if self.is_closed:
+            raise EngineUnreachable("this engine handle was stopped: start or connect a new one")
+        try:
+            return super().send(request, **kwargs)
+        except httpx.TransportError as exc:
+            raise EngineUnreachable(
+                f"cannot reach the engine at {self.base_url}: {exc or type(exc).__name__} "
+                "(is it still running? Engine.start() starts a new one)"
+            ) from None
 
 
 class EngineRefused(MinigridError):
@@ -100,7 +125,7 @@ class Engine:
         self.log_path = log_path
         self.cfg = cfg
         self.tenant = "admin" if admin_key else None  # who `connect(url, key)` is; see trace()
-        self.http = httpx.Client(base_url=self.url, timeout=120)
+        self.http = _Client(base_url=self.url, timeout=120)
 
     # -- lifecycle -----------------------------------------------------------------------
     @classmethod
@@ -115,11 +140,16 @@ class Engine:
         """Start router, prefill and decode in the background; returns once /health is 200."""
         cfg = cfg or incident_preset()
         if fixes is not None:
-            changes["fixes"] = parse_fixes(fixes) if isinstance(fixes, str) else fixes
+            changes["fixes"] = fixes if isinstance(fixes, Fixes) else parse_fixes(fixes)
         admin = secrets.token_hex(16)
         cfg = cfg.with_(port=free_port(), admin_key=admin, **changes)
         log = Path(tempfile.mkstemp(prefix="minigrid-", suffix=".log")[1])
-        cmd = [sys.executable, "-m", "minigrid_engine.cli", "serve", *_flags(cfg)]
+        # Every setting goes over in one file (mode 0600, as mkstemp makes it: it holds the keys),
+        # read once at startup and removed once the engine is up or gone.
+        fd, settings = tempfile.mkstemp(prefix="minigrid-config-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(cfg.to_json())
+        cmd = [sys.executable, "-m", "minigrid_engine.cli", "serve", "--config", settings]
         env = dict(os.environ, MINIGRID_ADMIN_KEY=admin, PYTHONUNBUFFERED="1", MINIGRID_EXIT_WITH_PARENT="1")
         if cfg.inject:  # asked for by name in code: the notebook or test means it
             env["MINIGRID_FAULT_INJECTION"] = "1"
@@ -129,7 +159,13 @@ class Engine:
             )
         eng = cls(f"http://{cfg.host}:{cfg.port}", dict(cfg.tenants), admin, proc, log, cfg)
         atexit.register(eng.stop)
-        eng.wait_ready(timeout_s)
+        try:
+            eng.wait_ready(timeout_s)
+        except BaseException:  # not ready in time, or interrupted: no engine is left behind
+            eng.stop()
+            raise
+        finally:
+            Path(settings).unlink(missing_ok=True)
         return eng
 
     @classmethod
@@ -154,6 +190,11 @@ class Engine:
             raise MinigridError(f"engine URL {url!r} must start with http:// or https://")
         if api_key is None and not tenants and not admin_key:
             raise MinigridError("no API key: pass Engine.connect(url, key) or set MINIGRID_API_KEY")
+        keys = {"the API key": api_key, "the admin key": admin_key}
+        keys |= {f"the key of tenant {n!r}": k for n, k in (tenants or {}).items()}
+        for whose, key in keys.items():
+            if key is not None:  # a header carries printable ASCII only: say so, not UnicodeEncodeError
+                check_key_text(whose, key)
         eng = cls(url, dict(tenants or {}), admin_key)
         if api_key is None:
             return eng
@@ -161,7 +202,7 @@ class Engine:
             r = eng.http.get(
                 "/v1/minigrid/config", headers={"Authorization": f"Bearer {api_key}"}, timeout=timeout_s
             )
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, EngineUnreachable) as exc:
             eng.http.close()
             raise MinigridError(
                 f"cannot reach the engine at {eng.url}: {exc} (is the URL right, and is the engine running?)"
@@ -190,10 +231,11 @@ class Engine:
             try:
                 if self.http.get("/health", timeout=2).status_code == 200:
                     return
-            except httpx.HTTPError:
-                pass
+            except (httpx.HTTPError, EngineUnreachable):
+                if self.http.is_closed:
+                    raise EngineNotReady("this engine handle was stopped while it waited") from None
             time.sleep(0.1)
-        raise EngineNotReady(f"the engine was not healthy after {timeout_s:.0f} s:\n{self.log()}")
+        raise EngineNotReady(f"the engine was not healthy after {timeout_s:g} s:\n{self.log()}")
 
     def stop(self, timeout_s: float = 15) -> None:
         """Stop all three processes (SIGTERM, then SIGKILL after `timeout_s`)."""
@@ -259,14 +301,17 @@ class Engine:
             if r.status_code != 200:
                 r.read()
                 raise _refused(r, "the completion")
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise MinigridError(f"the stream failed: {event['error'].get('message')}")
-                if event["choices"] and event["choices"][0]["text"]:
-                    yield event["choices"][0]["text"]
+            try:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise MinigridError(f"the stream failed: {event['error'].get('message')}")
+                    if event["choices"] and event["choices"][0]["text"]:
+                        yield event["choices"][0]["text"]
+            except httpx.TransportError as exc:  # the engine went away mid-answer
+                raise EngineUnreachable(f"the stream from {self.url} broke off: {exc}") from None
 
     def pools(self) -> dict[str, list[dict[str, Any]]]:
         """Owner table of each role: owner, last writer and staleness of every page (admin key)."""
@@ -364,30 +409,12 @@ def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 15) -> None:
         proc.wait()
 
 
-def _flags(cfg: ServeConfig) -> list[str]:
-    """The `minigrid serve` command line that starts `cfg`."""
-    values = {
-        "--host": cfg.host,
-        "--port": cfg.port,
-        "--context-length": cfg.context_length,
-        "--page-size": cfg.page_size,
-        "--prefill-pool-tokens": cfg.prefill_pool_tokens,
-        "--decode-pool-tokens": cfg.decode_pool_tokens,
-        "--fixes": cfg.fixes,
-        "--tenants": ",".join(f"{n}:{k}" for n, k in cfg.tenants.items()),
-        "--device": cfg.device,
-        "--attention": cfg.attention,
-        "--max-batch": cfg.max_batch,
-        "--release-timeout": cfg.release_timeout_s,
-        "--worker-restarts": cfg.worker_restarts,
-        "--worker-restart-window": cfg.worker_restart_window_s,
-    }
-    if (cfg.prefill_workers, cfg.decode_workers) != (1, 1):
-        values |= {"--prefill-workers": cfg.prefill_workers, "--decode-workers": cfg.decode_workers}
-    flags = [str(x) for flag, value in values.items() for x in (flag, value)]
-    for fault in cfg.inject:
-        flags += ["--inject", fault]
-    return flags
-
-
-__all__ = ["DEFAULT_TENANTS", "Engine", "EngineNotReady", "EngineRefused", "Reply", "pages_read"]
+__all__ = [
+    "DEFAULT_TENANTS",
+    "Engine",
+    "EngineNotReady",
+    "EngineRefused",
+    "EngineUnreachable",
+    "Reply",
+    "pages_read",
+]

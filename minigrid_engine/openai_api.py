@@ -22,9 +22,9 @@ from typing import Any
 from minigrid_engine.config import MODEL_ID
 from minigrid_engine.errors import MinigridError
 from minigrid_engine.messages import Result
+from minigrid_engine.request import SEED_MAX, SEED_MIN
 from minigrid_engine.tokenizer import ByteTokenizer
 
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes (decode adds 1)
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses it too (the model never ends by itself)
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_TOKENS = 128

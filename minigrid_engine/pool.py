@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minigrid_engine.config import MAX_PAGE_SIZE
 from minigrid_engine.errors import ConfigError, PoolError, PoolExhausted
 from minigrid_engine.model import ModelConfig
 from minigrid_engine.trace import RELEASE, RESERVE, Trace
-
-MAX_PAGE_SIZE = 4096
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,8 @@ class PoolConfig:
     def describe(self, model: ModelConfig, role: str = "engine", dtype: torch.dtype = torch.float32) -> str:
         """The startup line: capacity in tokens and pages, and the bytes it costs."""
         partial = self.capacity_tokens % self.page_size
-        note = f" ({self.page_size - partial} slots past the token budget)" if partial else ""
+        extra = self.page_size - partial
+        note = f" ({extra} slot{'s' if extra != 1 else ''} past the token budget)" if partial else ""
         return (
             f"{role} KV pool: {self.capacity_tokens} tokens in {self.n_pages} pages of "
             f"{self.page_size} tokens{note} ({model.kv_bytes_per_token(dtype)} bytes per token, "

@@ -192,7 +192,8 @@ class ModelCheckResult:
 
     @property
     def safe(self) -> bool:
-        return self.violation is None
+        """No violation in any reachable state: the whole search ran and found none."""
+        return self.violation is None and self.complete
 
     @property
     def verdict(self) -> str:
@@ -229,8 +230,10 @@ class ModelCheckResult:
         lines = [head, f"  {self.states_explored} states explored, {self.transitions} transitions"]
         if not self.complete:
             lines.append("  search cut short at max_states: no verdict")
-        if self.violation is None:
+        if self.violation is None and self.complete:
             lines.append("  no violation: isolation holds in every reachable state")
+        elif self.violation is None:
+            lines.append("  no violation in the states explored before the search stopped")
         else:
             lines.append(
                 f"  VIOLATION ({self.violation_kind}), shortest trace of {len(self.violation)} steps:"

@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 from minigrid_engine.errors import MinigridError
 from minigrid_engine.trace import STATE, Trace
 
+# A request's sampling seed: what torch.Generator.manual_seed takes (decode adds 1 for its steps)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
 
 class State(enum.Enum):
     WAITING = "waiting"

@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minigrid_engine import openai_api as oai
-from minigrid_engine.config import ADMIN, MODEL_ID, ROLES, ServeConfig, check_admin_key
+from minigrid_engine.config import ADMIN, CORRECTED_POOL, MODEL_ID, ROLES, ServeConfig, check_admin_key
 from minigrid_engine.errors import REFUSED_TO_START, ConfigError, MinigridError
 from minigrid_engine.fixes import BUILT, FIXES, Fixes, parse_fixes
 from minigrid_engine.messages import (
@@ -699,7 +699,9 @@ class Router:
         return (
             "capacity-check cannot be turned on for this running engine: "
             + "; ".join(short)
-            + " (it is a deployment check: restart with a larger pool, e.g. --preset corrected). "
+            + " (it is a deployment check: restart with a larger pool"
+            + (", e.g. --preset corrected" if c.context_length <= CORRECTED_POOL else "")
+            + "). "
             "Every other fix can be switched live."
         )
 

@@ -54,46 +54,65 @@ def serve(
     authkey: bytes | None = None,
 ) -> int:
     """Serve until stopped. `on_listening(url)` runs once the socket is bound, before the first
-    request is served (workshop mode writes its keys file there); it returns lines to log."""
+    request is served (workshop mode writes its keys file there); it returns lines to log.
+    Whatever stops it, at startup too (Ctrl-C, SIGTERM, a port in use), stops the workers."""
     router = Router(cfg, authkey)
-    router.start_workers()
-    for line in router.startup_log:
-        print(f"minigrid: {line}", file=sys.stderr, flush=True)
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((cfg.host, cfg.port))
-    except OSError as exc:
-        router.stop_workers()
-        raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}") from None
-    host, port = sock.getsockname()[:2]
-    url = f"http://{host}:{port}"
-    server = _Server(uvicorn.Config(router.app(), log_level="warning", lifespan="off", access_log=False))
-    print(
-        f"minigrid: context length {cfg.context_length} tokens, fixes: {cfg.fixes}, "
-        f"tenants: {_tenants_line(cfg.tenants)}",
-        file=sys.stderr,
-    )
-    if on_listening is not None:
+    with _terminate_interrupts():
         try:
-            lines = on_listening(url)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:  # bound first, so a port in use is said at once; it listens once the workers are up
+                sock.bind((cfg.host, cfg.port))
+            except OSError as exc:
+                raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}") from None
+            router.start_workers()
+            for line in router.startup_log:
+                print(f"minigrid: {line}", file=sys.stderr, flush=True)
+            host, port = sock.getsockname()[:2]
+            url = f"http://{host}:{port}"
+            server = _Server(
+                uvicorn.Config(router.app(), log_level="warning", lifespan="off", access_log=False)
+            )
+            print(
+                f"minigrid: context length {cfg.context_length} tokens, fixes: {cfg.fixes}, "
+                f"tenants: {_tenants_line(cfg.tenants)}",
+                file=sys.stderr,
+            )
+            for line in on_listening(url) if on_listening is not None else []:
+                print(f"minigrid: {line}", file=sys.stderr, flush=True)
+            print(f"minigrid: serving on {url}", file=sys.stderr, flush=True)
+            if ready_file is not None:
+                ready_file.write_text(url + "\n")
+            if os.environ.get("MINIGRID_EXIT_WITH_PARENT") == "1":
+                _exit_with_parent(server)
         except BaseException:
             sock.close()
             router.stop_workers()
             raise
-        for line in lines:
-            print(f"minigrid: {line}", file=sys.stderr, flush=True)
-    print(f"minigrid: serving on {url}", file=sys.stderr, flush=True)
-    if ready_file is not None:
-        ready_file.write_text(url + "\n")
-    if os.environ.get("MINIGRID_EXIT_WITH_PARENT") == "1":
-        _exit_with_parent(server)
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=[sock])  # its own signal handlers while it serves
     finally:
         router.stop_workers()
         print("minigrid: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+@contextlib.contextmanager
+def _terminate_interrupts() -> Iterator[None]:
+    """While the workers start, SIGTERM interrupts like Ctrl-C, so that the workers started so
+    far are stopped rather than left without their router."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(sig: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _exit_with_parent(server: uvicorn.Server, interval_s: float = 0.5) -> None:

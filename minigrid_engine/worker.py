@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from minigrid_engine.config import ServeConfig
+from minigrid_engine.config import CORRECTED_POOL, ServeConfig
 from minigrid_engine.decode import DecodeScheduler
 from minigrid_engine.errors import REFUSED_TO_START, ConfigError, PoolError
 from minigrid_engine.fixes import parse_fixes
@@ -50,7 +50,7 @@ from minigrid_engine.messages import (
     TransferBegin,
     TransferDone,
 )
-from minigrid_engine.model import ModelConfig, load_model
+from minigrid_engine.model import ModelConfig, default_weights_path, load_model
 from minigrid_engine.pool import KVPool, PoolConfig
 from minigrid_engine.prefill import PrefillScheduler, TransferJob
 from minigrid_engine.trace import Trace
@@ -145,6 +145,10 @@ class Worker:
         self.peers = peers
         self.transport = transport
         model = load_model(cfg.weights, device=cfg.device)
+        weights = cfg.weights or default_weights_path()
+        self.model_line = (
+            f"{role} model: {sum(t.numel() for t in model.parameters()):,} parameters from {weights}"
+        )
         tokens = cfg.prefill_pool_tokens if role == "prefill" else cfg.decode_pool_tokens
         self.pool = KVPool(
             PoolConfig(tokens, cfg.page_size),
@@ -390,8 +394,10 @@ def _refuse_to_start(role: str, cfg: ServeConfig) -> str | None:
         return (
             f"capacity-check: the {role} KV pool holds {tokens} tokens, fewer than the context "
             f"length of {cfg.context_length} tokens: a valid prompt would not fit. Raise "
-            f"--{role}-pool-tokens to at least {cfg.context_length} (--preset corrected) or lower "
-            f"--context-length; --fixes none runs the faulty configuration on purpose."
+            f"--{role}-pool-tokens to at least {cfg.context_length}"
+            + (" (--preset corrected)" if cfg.context_length <= CORRECTED_POOL else "")
+            + " or lower "
+            "--context-length; --fixes none runs the faulty configuration on purpose."
         )
     return None
 
@@ -425,7 +431,7 @@ def run_worker(
             peers.add(f"prefill-{i}", cfg.rank("prefill", i), conn, cfg.transfer_host)
     transport = DistTransport(rank, cfg.world_size, cfg.transfer_host, dist_port, cfg.device, bind=address)
     worker = Worker(worker_id, role, cfg, router, peers, transport, address)
-    line = worker.pool.describe()  # the router prints it: the startup line operators read
+    lines = [worker.pool.describe(), worker.model_line]  # the router prints them at startup
     router.send(
         Ready(
             role,
@@ -433,7 +439,7 @@ def run_worker(
             worker.pool.capacity_tokens,
             worker.pool.page_size,
             worker.pool.n_pages,
-            [line],
+            lines,
             worker_id,
             address,
         )
@@ -464,7 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     authkey = bytes.fromhex(os.environ["MINIGRID_AUTHKEY"])
     cfg = ServeConfig.from_json(a.config)
     torch.set_num_threads(max(1, cfg.worker_threads))
-    refusal = _refuse_to_start(a.role, cfg)
+    try:
+        refusal = _refuse_to_start(a.role, cfg)
+    except ConfigError as exc:  # e.g. a pool the pool module refuses: one line, not a traceback
+        refusal = f"the {name} worker cannot start: {exc}"
     if refusal is not None:
         print(refusal, file=sys.stderr, flush=True)
         return REFUSED_TO_START
@@ -502,13 +511,16 @@ def remote_main(
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {got.worker}: %(message)s", stream=sys.stderr, force=True
     )
-    cfg = ServeConfig.from_json(got.config)
-    torch.set_num_threads(max(1, cfg.worker_threads))
-    refusal = _refuse_to_start(role, cfg)
+    try:  # the router's settings, on this host: e.g. its weights path may not exist here
+        cfg = ServeConfig.from_json(got.config)
+        refusal = _refuse_to_start(role, cfg)
+    except ConfigError as exc:
+        refusal = f"the {role} worker cannot start on this host: {exc}"
     if refusal is not None:
         print(refusal, file=sys.stderr, flush=True)
         router.close()
         return REFUSED_TO_START
+    torch.set_num_threads(max(1, cfg.worker_threads))
     log.info("joined the router at %s as %s; page data from %s", router_addr, got.worker, address)
     return run_worker(role, got.index, cfg, router, authkey, got.peer_ports, got.dist_port, address)
 

@@ -51,6 +51,21 @@ from cli_run import minigrid
         (["check-protocol", "--requests", "a:1,b:1,c:1,d:1,e:1"], "5 requests: the model checks 1 to 4"),
         (["check-protocol", "--losses", "7"], "losses must be between 0 and 3, got 7"),
         (["check-protocol", "--fixes", "bogus"], "unknown fix 'bogus'"),
+        (
+            ["generate", "--prompt", "hi", "--temperature", "1", "--seed", str(10**24)],
+            "seed must be a 64-bit signed integer",
+        ),
+        (["audit", "--url", "http://127.0.0.1:9", "--timeout", "-1"], "-1 seconds: give a number above 0"),
+        (["audit", "--url", "http://127.0.0.1:9", "--timeout", "nan"], "nan seconds: give a number above 0"),
+        (["audit", "--url", "http://[::1"], "'http://[::1' is not a URL the audit can read"),
+        (["faults", "--restart-wait", "-1"], "-1 seconds: give a number above 0"),
+        (["faults", "--only", ""], "--only '' names no case"),
+        (
+            ["serve", "--fixes", "none", "--page-size", "5000", "--prefill-pool-tokens", "5000"],
+            "--page-size 5000: at most 4096 tokens per page",
+        ),
+        (["serve", "--config", "/nonexistent/cfg.json"], "--config /nonexistent/cfg.json: No such file"),
+        (["serve", "--config", "cfg.json", "--preset", "corrected"], "and --preset corrected: choose one"),
     ],
 )
 def test_bad_values_get_one_clear_line(args: list[str], message: str) -> None:
@@ -152,3 +167,28 @@ def test_check_protocol_cut_short_says_no_verdict() -> None:
     assert proc.returncode == 2
     assert "search cut short at max_states: no verdict" in proc.stdout
     assert "cut short at --max-states" in proc.stderr
+
+
+def test_a_config_file_is_checked_field_by_field(tmp_path: Path) -> None:
+    cfg = tmp_path / "cfg.json"
+    for text, message in [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "the settings must be a JSON object, got list"),
+        ('{"context_lenght": 2048}', "unknown setting(s) context_lenght"),
+        ('{"page_size": "big"}', "--page-size must be a whole number, got 'big'"),
+        ('{"tenants": {" bob": "sk-b"}}', "tenant name ' bob': give a name without spaces around it"),
+        ('{"fixes": ["owner-check", "bogus"]}', "unknown fix 'bogus'"),
+    ]:
+        cfg.write_text(text)
+        proc = minigrid("serve", "--config", str(cfg))
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"--config {cfg}: " in proc.stderr and message in proc.stderr, proc.stderr
+
+
+def test_check_protocol_cut_short_claims_no_isolation() -> None:
+    proc = minigrid("check-protocol", "--fixes", "none", "--max-states", "1", "--json")
+    assert proc.returncode == 2
+    [r] = __import__("json").loads(proc.stdout)
+    assert r["complete"] is False and r["safe"] is False and r["verdict"] == "no verdict (cut short)"
+    text = minigrid("check-protocol", "--fixes", "none", "--max-states", "1").stdout
+    assert "isolation holds" not in text and "no violation in the states explored" in text

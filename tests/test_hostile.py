@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from minigrid_engine import router as router_mod
 from minigrid_engine.cli import build_parser
-from minigrid_engine.config import ServeConfig, corrected_preset
+from minigrid_engine.config import ServeConfig, corrected_preset, incident_preset
 from minigrid_engine.errors import ConfigError
 from minigrid_engine.handle import Engine
 from minigrid_engine.router import MAX_BODY_BYTES, Router, tenant_view
@@ -738,7 +738,9 @@ def test_tenant_view_names_no_other_request() -> None:
 
 def test_the_server_binds_loopback_by_default(engine: Engine) -> None:
     assert ServeConfig().host == "127.0.0.1" and ServeConfig().transfer_host == "127.0.0.1"
-    assert build_parser().parse_args(["serve"]).host == "127.0.0.1"
+    # `serve` with no --host keeps the preset's address, and both presets say loopback
+    assert build_parser().parse_args(["serve"]).host is None
+    assert incident_preset().host == corrected_preset().host == "127.0.0.1"
     assert engine.url.startswith("http://127.0.0.1:")
     assert engine.proc is not None
     router = psutil.Process(engine.proc.pid)

@@ -148,3 +148,37 @@ def test_a_stop_text_ends_the_answer_and_frees_its_pages(model) -> None:
     assert whole.outcome is Outcome.LENGTH and "; " in whole.text
     assert cut.outcome is Outcome.STOP and whole.text.startswith(cut.text + "; "), (whole.text, cut.text)
     assert engine.pool.pages_in_use == 0
+
+
+def test_bad_token_ids_and_seeds_are_refused_before_any_page_is_reserved(model) -> None:
+    from minigrid_engine.errors import BadInput
+
+    engine = Engine(model=model, pool=PoolConfig(512, 128), context_length=256)
+    for prompt, seed, message in [
+        ([72, 999], None, "prompt holds 999 at index 1: token ids are whole numbers from 0 to 255"),
+        ([72, -1], None, "prompt holds -1 at index 1"),
+        ([72, True], None, "prompt holds True at index 1"),
+        ("hi", 2**64, "seed must be a 64-bit signed integer"),
+        ("hi", 1.5, "seed must be a whole number, got 1.5"),
+    ]:
+        with pytest.raises(BadInput, match=re.escape(message)):
+            engine.submit("t", prompt, max_tokens=4, temperature=1.0, seed=seed)
+    assert engine.pool.pages_in_use == 0 and not engine.waiting
+
+
+def test_a_prefill_that_fails_gives_its_pages_back(model, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine(model=model, pool=PoolConfig(512, 128), context_length=256)
+    req = engine.submit("t", "hello world. " * 4, max_tokens=4)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("out of device memory")
+
+    monkeypatch.setattr(engine.runner, "prefill", broken)
+    with pytest.raises(RuntimeError, match="out of device memory"):
+        engine.run()
+    assert engine.pool.pages_in_use == 0 and engine.pool.holders() == []  # no page owned by nobody
+    assert req.outcome is Outcome.ABORTED and not engine.waiting and not engine.running
+    engine.pool.check_integrity()
+    monkeypatch.undo()
+    [done] = engine.generate("t", ["hello world. " * 4], max_tokens=4)  # the engine goes on
+    assert done.outcome is Outcome.LENGTH and len(done.token_ids) == 4
