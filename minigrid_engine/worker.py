@@ -382,7 +382,10 @@ def _refuse_to_start(role: str, cfg: ServeConfig) -> str | None:
         return f"--device cuda: no CUDA device is visible to the {role} worker (torch {torch.__version__})"
     tokens = cfg.prefill_pool_tokens if role == "prefill" else cfg.decode_pool_tokens
     if cfg.device == "cpu":
-        pool = PoolConfig(tokens, cfg.page_size)
+        try:
+            pool = PoolConfig(tokens, cfg.page_size)
+        except ConfigError as exc:  # a pool the pool module refuses: one line, not a traceback
+            return f"the {role} worker cannot start: {exc}"
         need, have = pool.nbytes(ModelConfig()), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if need > have:
             return (
@@ -470,10 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     authkey = bytes.fromhex(os.environ["MINIGRID_AUTHKEY"])
     cfg = ServeConfig.from_json(a.config)
     torch.set_num_threads(max(1, cfg.worker_threads))
-    try:
-        refusal = _refuse_to_start(a.role, cfg)
-    except ConfigError as exc:  # e.g. a pool the pool module refuses: one line, not a traceback
-        refusal = f"the {name} worker cannot start: {exc}"
+    refusal = _refuse_to_start(a.role, cfg)
     if refusal is not None:
         print(refusal, file=sys.stderr, flush=True)
         return REFUSED_TO_START
