@@ -64,7 +64,20 @@ class Reply:
 
 
 class EngineNotReady(MinigridError):
-    pass
+    """The engine did not come up: it exited, stayed unhealthy, or its handle was stopped."""
+
+
+class EngineRefusedToStart(EngineNotReady):
+    """The engine looked at its settings and refused them (a config error, or a fix such as
+    capacity-check refusing the pool): `reason` is its one-line explanation, the outcome a lab
+    prints instead of a traceback."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+_SERVE_ERROR = "minigrid serve: error: "
 
 
 class EngineUnreachable(MinigridError):
@@ -227,7 +240,11 @@ class Engine:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise EngineNotReady(f"the engine exited with status {self.proc.returncode}:\n{self.log()}")
+                said = f"the engine exited with status {self.proc.returncode}:\n{self.log()}"
+                refusals = [ln for ln in self.log().splitlines() if ln.startswith(_SERVE_ERROR)]
+                if self.proc.returncode == 2 and refusals:  # cli.main: a MinigridError, said in one line
+                    raise EngineRefusedToStart(said, refusals[-1].removeprefix(_SERVE_ERROR))
+                raise EngineNotReady(said)
             try:
                 if self.http.get("/health", timeout=2).status_code == 200:
                     return
@@ -413,6 +430,7 @@ __all__ = [
     "DEFAULT_TENANTS",
     "Engine",
     "EngineNotReady",
+    "EngineRefusedToStart",
     "EngineRefused",
     "EngineUnreachable",
     "Reply",

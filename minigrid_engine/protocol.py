@@ -203,6 +203,13 @@ class ModelCheckResult:
             return f"{self.violation_kind} in {len(self.violation)} steps"
         return "safe" if self.complete else "no verdict (cut short)"
 
+    @property
+    def observed(self) -> str:
+        """'leak', 'safe' (refusing to start is safe: nothing runs) or 'no verdict' (cut short)."""
+        if self.violation is not None:
+            return "leak"
+        return "safe" if self.complete else "no verdict"
+
     def to_dict(self) -> dict[str, object]:
         """The result as plain data (the trace as steps; the explored edges left out)."""
         return {

@@ -305,15 +305,19 @@ def replay_day(
     canary harness reads its text; the forensics read the decode trace for foreign pages."""
     from tqdm.auto import tqdm
 
+    if requests < 1 or not 0 <= long_share <= 1:
+        raise ValueError(f"a day needs requests >= 1 and 0 <= long_share <= 1 (got {requests}, {long_share})")
     rng = random.Random(seed)
     canaries = CanaryHarness(seed)
+    longest = context_length - max_tokens  # the longest prompt the API accepts with its answer
+    fits = min(prefill_pool_tokens, longest)
     plan = []
     for _ in range(requests):
         tenant = rng.choice(tenants)
-        if rng.random() < long_share:
-            n = rng.randint(prefill_pool_tokens + 1, context_length - max_tokens)
+        if rng.random() < long_share and prefill_pool_tokens < longest:  # none is longer otherwise
+            n = rng.randint(prefill_pool_tokens + 1, longest)
         else:
-            n = rng.randint(48, max(49, int(prefill_pool_tokens * 0.9) - max_tokens))
+            n = rng.randint(48, max(49, int(fits * 0.9) - max_tokens))
         plan.append((tenant, n, canaries.prompt(tenant, n, rng.randint(4, 10))))
     done: list[DayRequest] = []
     bar = tqdm(total=requests, desc="replaying the day", unit="req", disable=not progress)
@@ -392,14 +396,13 @@ def verify_fix(
     """Start an engine with `fixes` on `cfg` (default: the incident's numbers), rerun the identical
     scenario, stop it. The fix is verified by the canary harness and the forensics, not by hope."""
     from minigrid_engine.config import incident_preset
-    from minigrid_engine.handle import Engine, EngineNotReady
+    from minigrid_engine.handle import Engine, EngineRefusedToStart
 
     cfg = cfg or incident_preset()
     try:
         eng = Engine.start(cfg, fixes=fixes)
-    except EngineNotReady as exc:
-        lines = [line for line in str(exc).splitlines() if line.startswith(("capacity-check", "error"))]
-        return FixVerdict(fixes, False, (lines or str(exc).splitlines())[-1])
+    except EngineRefusedToStart as exc:
+        return FixVerdict(fixes, False, exc.reason)
     try:
         report = run_incident(
             eng,

@@ -58,6 +58,11 @@ def test_01_welcome_reads_the_pool_from_the_running_engine(tmp_path: Path) -> No
     assert any("prefill KV pool: 665 tokens in 6 pages" in line for line in r["pool_lines"])
 
 
+def test_01_with_capacity_check_the_refusal_is_the_outcome(tmp_path: Path) -> None:
+    r = run("01_welcome.ipynb", tmp_path, fixes="capacity-check")
+    assert r == {"started": False, "verdicts": {"shortfall": True}}
+
+
 def test_02_paged_kv_cache_shows_stale_pages(tmp_path: Path) -> None:
     r = run("02_paged_kv_cache.ipynb", tmp_path)
     assert r["reused_pages"], "carol got none of alice's freed pages"
@@ -77,11 +82,22 @@ def test_03_disaggregated_serving_draws_every_phase(tmp_path: Path) -> None:
     assert all(w == d for w, d in r["pages"].values()), r["pages"]
 
 
+def test_03_one_request_with_every_fix_runs_on_the_corrected_pool(tmp_path: Path) -> None:
+    r = run("03_disaggregated_serving.ipynb", tmp_path, requests=1, fixes="all")
+    assert r["statuses"] == [200] and list(r["phases"].values()) == [["queued", "prefill", "transfer", "decode"]]
+
+
 def test_04_the_audit_turns_red_below_the_context(tmp_path: Path) -> None:
     r = run("04_shrink_the_pool.ipynb", tmp_path, sizes=[2048, 1024, 960, 665])
     assert r["audit"] == {"2048": True, "1024": True, "960": False, "665": False}
     assert r["oversized_status"] == 200 and r["stubbed"] and r["capacity_check_refused"]
     assert "665 tokens, fewer than the context length of 1024" in r["refusal"]
+
+
+def test_04_sizes_off_the_slider_and_a_size_that_cannot_start(tmp_path: Path) -> None:
+    r = run("04_shrink_the_pool.ipynb", tmp_path, sizes=[3000, 1023, 100, 700])
+    assert r["audit"] == {"3000": True, "1023": False, "100": None, "700": False}
+    assert r["oversized_status"] == 200 and r["stubbed"] and r["oversized_prompt_tokens"] == 1008
 
 
 def test_05_leak_lab_shows_the_leak(tmp_path: Path) -> None:
@@ -97,6 +113,16 @@ def test_05_leak_lab_with_the_fix_shows_the_400(tmp_path: Path) -> None:
     assert not r["leaked_codes"]
 
 
+def test_05_leak_lab_with_a_pool_that_holds_the_prompt_leaks_nothing(tmp_path: Path) -> None:
+    r = run("05_trigger_the_leak.ipynb", tmp_path, prefill_pool_tokens=1024)
+    assert r["status"] == 200 and not r["leaked_codes"] and r["pages_by_tenant"] == {"bob": 8}
+
+
+def test_05_leak_lab_with_capacity_check_says_the_engine_refused(tmp_path: Path) -> None:
+    r = run("05_trigger_the_leak.ipynb", tmp_path, fixes="all")
+    assert r["started"] is False and "status" not in r
+
+
 def test_06_forensics_counts_affected_responses(tmp_path: Path) -> None:
     r = run("06_forensics.ipynb", tmp_path, day_requests=30)
     assert r["bob_pages_by_tenant"] == {"alice": 7, "bob": 1}
@@ -107,6 +133,11 @@ def test_06_forensics_counts_affected_responses(tmp_path: Path) -> None:
 def test_06_forensics_with_the_fix_counts_none(tmp_path: Path) -> None:
     r = run("06_forensics.ipynb", tmp_path, fixes="reject-before-transfer", day_requests=24)
     assert r["affected"] == 0 and r["with_foreign_canaries"] == 0
+
+
+def test_06_forensics_on_a_pool_that_holds_the_context_counts_none(tmp_path: Path) -> None:
+    r = run("06_forensics.ipynb", tmp_path, prefill_pool_tokens=1024, day_requests=12)
+    assert r["bob_pages_by_tenant"] == {"bob": 8} and r["over_threshold"] == 0 and r["affected"] == 0
 
 
 def test_07_admission_fixes(tmp_path: Path) -> None:
@@ -172,6 +203,13 @@ def test_13_model_check_finds_the_incident_and_the_fixes_close_it(tmp_path: Path
 def test_13_student_copy_rejects_the_stubs(tmp_path: Path) -> None:
     r = run("13_model_check.ipynb", tmp_path, reveal_solutions=False)
     assert r["verdicts"] == {"fix_prediction": False, "counterexample_bounds": False}
+
+
+def test_13_a_search_cut_short_is_said_and_checks_nothing(tmp_path: Path) -> None:
+    r = run_lab(LABS / "13_model_check.ipynb", tmp_path, reveal_solutions=True, max_states=100).result
+    assert r["incident_steps"] is None and r["combined_safe"] is False
+    assert r["late_table"]["none"] == "no verdict (cut short)"
+    assert r["verdicts"]["fix_prediction"] is False  # no verdict confirms nor refutes a prediction
 
 
 def test_labs_check_takes_a_relative_out_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -435,18 +435,27 @@ def check_counterexample_bounds(bounds: dict[str, Any]) -> Verdict:
 
 
 def check_fix_prediction(predicted: dict[str, str], observed: dict[str, str]) -> Verdict:
-    """Predicted 'safe' or 'leak' per fix against the model check's verdicts."""
+    """Predicted 'safe' or 'leak' per fix against the model check's verdicts ('safe', 'leak', or
+    'no verdict' for a search cut short at max_states, which can neither confirm nor refute)."""
     ex = "fix_prediction"
     if not predicted or set(predicted.values()) - {"safe", "leak"} or set(observed) - set(predicted):
         return _verdict(ex, False, f"say 'safe' or 'leak' for each of: {', '.join(observed)}.")
     wrong = [
         f"{f}: you said {predicted[f]!r}, the model says {o!r}"
         for f, o in observed.items()
-        if predicted[f] != o
+        if o != "no verdict" and predicted[f] != o
     ]
     if wrong:
         return _verdict(
             ex, False, "; ".join(wrong) + ". Step through the late-transfer trace: when is the write?"
+        )
+    open_ = [f for f, o in observed.items() if o == "no verdict"]
+    if open_:
+        return _verdict(
+            ex,
+            False,
+            f"the search was cut short for {', '.join(open_)}: no verdict to check against. "
+            "Raise max_states and run it again.",
         )
     return _verdict(ex, True, "only a fix that acts at the late write or at the read stops a late transfer.")
 

@@ -16,7 +16,7 @@ import ipywidgets as W
 
 from minigrid_engine.config import ServeConfig, incident_preset
 from minigrid_engine.fixes import FIXES
-from minigrid_engine.handle import Engine
+from minigrid_engine.handle import Engine, EngineRefusedToStart
 
 EXPECTED_START_S = 5.0  # a cold start on a 2-core laptop: three processes, torch imported twice
 
@@ -33,6 +33,7 @@ class EngineControls:
         self.base = base or incident_preset()
         self._start = start
         self.engine: Engine | None = None
+        self.error: str | None = None  # why the last restart did not start an engine
         self.on_ready: list[Callable[[Engine], None]] = []
         self.pool = W.IntSlider(
             value=self.base.prefill_pool_tokens,
@@ -87,6 +88,7 @@ class EngineControls:
         try:
             cfg = self.config()
         except Exception as exc:  # a bad value in a box: say so, keep the running engine
+            self.error = str(exc)
             self.status.value = f"<span style='color:#B00'>{exc}</span>"
             return self.engine
         if self.engine is not None:
@@ -102,7 +104,8 @@ class EngineControls:
             worker.join(0.1)
             self.progress.value = min(0.95, (time.monotonic() - t0) / EXPECTED_START_S)
         self.apply.disabled = False
-        if "error" in box:
+        self.error = box.get("error")
+        if self.error is not None:
             self.progress.value = 0
             self.status.value = f"<span style='color:#B00'>the engine did not start: {box['error']}</span>"
             return None
@@ -129,7 +132,8 @@ class EngineControls:
 
 
 def reason(exc: BaseException) -> str:
-    """The one line of an engine's failed start that says why (its log's last error line)."""
+    """The one line of an engine's failed start that says why (its refusal, else its last line)."""
+    if isinstance(exc, EngineRefusedToStart):
+        return exc.reason
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    why = [line for line in lines if line.startswith(("capacity-check", "error", "minigrid serve: error"))]
-    return (why or lines or [type(exc).__name__])[-1]
+    return (lines or [type(exc).__name__])[-1]

@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 from minigrid_engine.protocol import NONE, ModelCheckResult, Scenario
 from widgets.pool_view import tenant_colours
 
-SAFE, UNSAFE, REFUSED = "#1B7F3B", "#B3261E", "#9E9E9E"
+SAFE, UNSAFE, REFUSED, CUT_SHORT = "#1B7F3B", "#B3261E", "#9E9E9E", "#E0A100"
 
 
 def counterexample_figure(result: ModelCheckResult, scenario: Scenario) -> go.Figure:
@@ -80,20 +80,22 @@ def counterexample_figure(result: ModelCheckResult, scenario: Scenario) -> go.Fi
 def fix_table_figure(rows: dict[str, ModelCheckResult], title: str) -> go.Figure:
     """States explored per setting, coloured by the verdict."""
     names = list(rows)
-    colour = [REFUSED if r.refused_to_start else SAFE if r.safe else UNSAFE for r in (rows[n] for n in names)]
+    colour = {"leak": UNSAFE, "safe": SAFE, "no verdict": CUT_SHORT}
+    colours = [REFUSED if r.refused_to_start else colour[r.observed] for r in (rows[n] for n in names)]
     fig = go.Figure(
         go.Bar(
             x=[rows[n].states_explored for n in names],
             y=names,
             orientation="h",
-            marker_color=colour,
+            marker_color=colours,
             text=[rows[n].verdict for n in names],
             textposition="outside",
             hovertext=[f"{rows[n].transitions} transitions" for n in names],
         )
     )
     fig.update_layout(
-        title=title + " (green: isolation holds; red: a stale read; grey: refuses to start)",
+        title=title
+        + " (green: isolation holds; red: a stale read; grey: refuses to start; amber: cut short, no verdict)",
         xaxis_title="states explored",
         yaxis=dict(autorange="reversed"),
         width=860,
