@@ -142,6 +142,49 @@ def tag(student: str) -> str:
 SECRET = re.compile(r"\b([A-Z]{2})([A-Z0-9]{8});")
 
 
+@dataclass(frozen=True)
+class LeakSizes:
+    """The workshop's prompt sizes, derived from a room's own numbers (`eng.config()`): secrets that
+    fit its prefill pool, and an oversized prompt that does not but, with its answer, fills the
+    context. On the incident's numbers (context 1,024, pool 665, page 128): 560, 976 and 48."""
+
+    context_length: int
+    prefill_pool_tokens: int
+    page_size: int
+    answer_tokens: int
+    secret_tokens: int
+    oversized_tokens: int | None  # None: the pool holds every prompt the room accepts
+
+    @classmethod
+    def of_room(cls, room: dict[str, Any], answer_tokens: int = 48) -> LeakSizes:
+        context, pool, page = room["context_length"], room["prefill_pool_tokens"], room["page_size"]
+        answer = max(1, min(answer_tokens, context // 4))
+        longest = context - answer  # the longest prompt the API accepts with that answer
+        return cls(
+            context,
+            pool,
+            page,
+            answer,
+            secret_tokens=max(16, (min(pool, context) - 24) * 7 // 8),  # with its 24-token answer
+            oversized_tokens=longest if longest > pool else None,
+        )
+
+    def describe(self) -> str:
+        if self.oversized_tokens is None:
+            return (
+                f"this room's prefill pool ({self.prefill_pool_tokens:,} tokens) holds every prompt its "
+                f"{self.context_length:,}-token context accepts: there is no oversized prompt to send"
+            )
+        pages = -(-(self.oversized_tokens + self.answer_tokens) // self.page_size)
+        return (
+            f"the oversized prompt: {self.oversized_tokens:,} tokens, larger than the "
+            f"{self.prefill_pool_tokens:,}-token prefill pool; with its {self.answer_tokens}-token answer "
+            f"it fills the {self.context_length:,}-token context ({pages} pages of {self.page_size}). "
+            f"Prefill replaces it with a one-token placeholder and writes one page; decode reserved "
+            f"{pages} and reads them all."
+        )
+
+
 def secret_prompt(student: str, n_tokens: int = 560, seed: int | None = None) -> str:
     """A prompt of exactly `n_tokens` bytes of `student`'s secret records (``STUAB pin ABQ7K2M9PX; ``)."""
     rng = random.Random(seed)

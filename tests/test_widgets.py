@@ -172,3 +172,11 @@ def test_model_check_figures_outline_the_stale_pages() -> None:
     bars = fix_table_figure(fix_table(INCIDENT), "incident").data[0]
     verdicts = dict(zip(bars.y, bars.text, strict=True))
     assert verdicts["none"].startswith("stale-read") and verdicts["owner-check"] == "safe"
+
+
+def test_a_room_of_thirty_gets_thirty_colours_and_none_is_the_never_written_grey() -> None:
+    names = [f"student{i:02d}" for i in range(1, 31)]
+    colours = tenant_colours(names)
+    picked = [colours[n] for n in names]
+    assert len(set(picked)) == 30 and NEVER not in picked
+    assert tenant_colours(list(reversed(names))) == colours  # the same student, the same colour

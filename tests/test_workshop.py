@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,7 @@ from minigrid_engine.handle import Engine, EngineRefused
 from minigrid_engine.router import free_port
 from minigrid_engine.workshop import (
     ROOM_FIXES,
+    LeakSizes,
     Room,
     load_keys,
     oversized_prompt,
@@ -47,13 +49,20 @@ class Workshop:
 
 @pytest.fixture(scope="module")
 def room(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workshop]:
-    d = tmp_path_factory.mktemp("workshop")
+    with serve_room(tmp_path_factory.mktemp("workshop")) as r:
+        yield r
+
+
+@contextmanager
+def serve_room(d: Path, *flags: str) -> Iterator[Workshop]:
+    """A three-student room on the incident's numbers, or on those `flags` give (serve's flags)."""
+    d.mkdir(parents=True, exist_ok=True)
     keys, ready, log = d / "keys.csv", d / "ready", d / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [
                 *(sys.executable, "-m", "minigrid_engine.cli", "serve", "--workshop", "3"),
-                *("--keys-file", str(keys), "--port", "0", "--ready-file", str(ready)),
+                *("--keys-file", str(keys), "--port", "0", "--ready-file", str(ready), *flags),
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -69,6 +78,29 @@ def room(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workshop]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    "context, pool, page, secret, oversized, answer",
+    [
+        (1024, 665, 128, 560, 976, 48),  # the incident's numbers at the lab's scale
+        (1024, 400, 64, 329, 976, 48),
+        (2048, 1300, 128, 1116, 2000, 48),
+        (1024, 976, 128, 833, None, 48),  # the pool holds the longest prompt the room accepts
+        (128, 80, 16, 49, 96, 32),  # a small context: a shorter answer
+    ],
+)
+def test_leak_sizes_follow_the_rooms_numbers(
+    context: int, pool: int, page: int, secret: int, oversized: int | None, answer: int
+) -> None:
+    sizes = LeakSizes.of_room({"context_length": context, "prefill_pool_tokens": pool, "page_size": page})
+    assert (sizes.secret_tokens, sizes.oversized_tokens, sizes.answer_tokens) == (secret, oversized, answer)
+    assert sizes.secret_tokens + 24 <= pool  # a secret prompt and its answer fit prefill's pool
+    if oversized is not None:
+        assert pool < oversized and oversized + answer == context
+        assert f"{-(-context // page)} pages of {page}" in sizes.describe()
+    else:
+        assert "no oversized prompt" in sizes.describe()
 
 
 def test_keys_file_is_private_complete_and_never_logged(room: Workshop) -> None:

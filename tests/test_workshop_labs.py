@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_workshop import Workshop, room  # noqa: F401  (the module-scoped workshop server)
+from test_workshop import Workshop, room, serve_room  # noqa: F401  (the module-scoped workshop server)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "labs" / "workshop").glob("*.ipynb"))
@@ -77,3 +77,15 @@ def test_the_room_leaks_then_the_switch_stops_it(room: Workshop, tmp_path: Path)
     after = run("student.ipynb", tmp_path / "s3", url=room.url, api_key=keys["student02"], store_secret=False)
     assert after["status"] == 400 and after["error"]["code"] == "context_length_exceeded"
     assert after["found"] == {} and after["text"] == ""
+
+
+def test_a_room_on_other_numbers_leaks_with_sizes_read_from_it(tmp_path: Path) -> None:
+    # a 400-token prefill pool in pages of 64: the student notebook hardcodes none of 665, 976, 128
+    with serve_room(tmp_path / "room", "--prefill-pool-tokens", "400", "--page-size", "64") as other:
+        keys = other.room.students
+        victim = run("student.ipynb", tmp_path / "s1", url=other.url, api_key=keys["student01"], send_oversized=False)
+        bob = run("student.ipynb", tmp_path / "s2", url=other.url, api_key=keys["student02"], store_secret=False)
+        assert bob["status"] == 200 and bob["pages_read"] == 16  # 976 + 48 tokens in pages of 64
+        assert bob["pages_written_for_you"] == 2  # the stub's page and the answer's: 14 of 16 were stale
+        # student01's records (STUAA ...) in student02's answer, whole codes or not
+        assert set(bob["found"].get("student01", [])) & set(victim["my_codes"]) or "STUAA" in bob["text"]

@@ -9,6 +9,7 @@ engine never imports this module.
 
 from __future__ import annotations
 
+import colorsys
 import time
 from typing import Any
 
@@ -19,10 +20,19 @@ NEVER = "#E8E8E8"
 
 
 def tenant_colours(tenants: list[str]) -> dict[str | None, str]:
+    """A colour per tenant, none repeated however many (a 30-student room): the palette first, then
+    hues spread by the golden angle, two lightnesses apart, never the grey of a never-written page."""
     colours: dict[str | None, str] = {None: NEVER}
-    for i, t in enumerate(sorted(tenants)):
-        colours[t] = PALETTE[i % len(PALETTE)]
+    for i, t in enumerate(sorted(set(tenants))):
+        colours[t] = PALETTE[i] if i < len(PALETTE) else _spread_colour(i - len(PALETTE))
     return colours
+
+
+def _spread_colour(i: int) -> str:
+    hue = (0.11 + i * 0.381966) % 1.0  # golden-angle steps: neighbours far apart on the wheel
+    light, sat = (0.42, 0.65) if i % 2 == 0 else (0.62, 0.55)
+    r, g, b = colorsys.hls_to_rgb(hue, light + 0.04 * ((i // 2) % 3 - 1), sat)
+    return f"#{round(r * 255):02X}{round(g * 255):02X}{round(b * 255):02X}"
 
 
 def pool_figure(
