@@ -219,3 +219,16 @@ def test_labs_check_takes_a_relative_out_dir(tmp_path: Path, monkeypatch: pytest
     lab = run_lab(LABS / "13_model_check.ipynb", Path("runs") / "labs", reveal_solutions=True)
     assert lab.result["verdicts"] == {"fix_prediction": True, "counterexample_bounds": True}
     assert (tmp_path / "runs" / "labs" / "13_model_check.ipynb").exists()
+
+
+def test_07_predictions_for_settings_of_your_own(tmp_path: Path) -> None:
+    # the stub and the reference answers cover whatever fixes_to_try holds, combinations included
+    tried = ["owner-check", "scrub-on-free,kv-checksum", "deferred-release,scrub-on-free"]
+    r = run("07_fix_admission.ipynb", tmp_path, fixes_to_try=tried)
+    assert {f: r[f]["client_saw"] for f in tried} == {
+        "owner-check": "error",
+        "scrub-on-free,kv-checksum": "error",
+        "deferred-release,scrub-on-free": "200 clean",
+    }
+    student = run("07_fix_admission.ipynb", tmp_path / "student", fixes_to_try=tried, reveal_solutions=False)
+    assert student["verdicts"]["prediction"] is False

@@ -42,24 +42,21 @@ def affected(pages_read_rows, tenant):  # 06
     return any(r["last_writer_tenant"] not in (None, tenant) for r in pages_read_rows)
 
 
-PREDICTIONS = {  # 07: what bob's client sees on the incident's numbers
-    "none": "200 leak",
-    "reject-before-transfer": "400",
-    "capacity-check": "no engine",
-}
+def client_sees(fixes):  # 07-09: what bob's client sees on the incident's numbers, any set of fixes
+    """The first fix on bob's request's path decides: startup, admission, the transfer's done
+    message and the read (each an error), then memory (scrubbed pages: a clean 200)."""
+    from minigrid_engine.fixes import parse_fixes
 
-
-TRANSFER_PREDICTIONS = {  # 08: the transfer fixes turn the leak into an error, but not deferred-release
-    "coverage-check": "error",
-    "kv-checksum": "error",
-    "deferred-release": "200 leak",
-}
-
-
-MEMORY_PREDICTIONS = {  # 09: scrubbing hides the leak behind a clean 200; the read check fails loudly
-    "scrub-on-free": "200 clean",
-    "owner-check": "error",
-}
+    on = set(parse_fixes(fixes).names())
+    if "capacity-check" in on:  # the 665-token pool is shorter than the 1,024-token context
+        return "no engine"
+    if "reject-before-transfer" in on:
+        return "400"
+    if on & {"coverage-check", "kv-checksum", "owner-check"}:
+        return "error"
+    if "scrub-on-free" in on:
+        return "200 clean"
+    return "200 leak"  # none, or deferred-release alone: nothing failed for it to guard
 
 
 OVERSIZED_PREDICTION = "200"  # 04: not the error the team assumed
