@@ -84,7 +84,9 @@ def test_03_disaggregated_serving_draws_every_phase(tmp_path: Path) -> None:
 
 def test_03_one_request_with_every_fix_runs_on_the_corrected_pool(tmp_path: Path) -> None:
     r = run("03_disaggregated_serving.ipynb", tmp_path, requests=1, fixes="all")
-    assert r["statuses"] == [200] and list(r["phases"].values()) == [["queued", "prefill", "transfer", "decode"]]
+    assert r["statuses"] == [200] and list(r["phases"].values()) == [
+        ["queued", "prefill", "transfer", "decode"]
+    ]
 
 
 def test_04_the_audit_turns_red_below_the_context(tmp_path: Path) -> None:

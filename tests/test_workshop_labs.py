@@ -83,8 +83,12 @@ def test_a_room_on_other_numbers_leaks_with_sizes_read_from_it(tmp_path: Path) -
     # a 400-token prefill pool in pages of 64: the student notebook hardcodes none of 665, 976, 128
     with serve_room(tmp_path / "room", "--prefill-pool-tokens", "400", "--page-size", "64") as other:
         keys = other.room.students
-        victim = run("student.ipynb", tmp_path / "s1", url=other.url, api_key=keys["student01"], send_oversized=False)
-        bob = run("student.ipynb", tmp_path / "s2", url=other.url, api_key=keys["student02"], store_secret=False)
+        victim = run(
+            "student.ipynb", tmp_path / "s1", url=other.url, api_key=keys["student01"], send_oversized=False
+        )
+        bob = run(
+            "student.ipynb", tmp_path / "s2", url=other.url, api_key=keys["student02"], store_secret=False
+        )
         assert bob["status"] == 200 and bob["pages_read"] == 16  # 976 + 48 tokens in pages of 64
         assert bob["pages_written_for_you"] == 2  # the stub's page and the answer's: 14 of 16 were stale
         # student01's records (STUAA ...) in student02's answer, whole codes or not

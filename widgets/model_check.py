@@ -95,7 +95,7 @@ def fix_table_figure(rows: dict[str, ModelCheckResult], title: str) -> go.Figure
     )
     fig.update_layout(
         title=title
-        + " (green: isolation holds; red: a stale read; grey: refuses to start; amber: cut short, no verdict)",
+        + " (green: isolation holds; red: a stale read; grey: refuses to start; amber: no verdict)",
         xaxis_title="states explored",
         yaxis=dict(autorange="reversed"),
         width=860,
