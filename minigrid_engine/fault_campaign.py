@@ -91,7 +91,7 @@ CASES: tuple[FaultCase, ...] = (
     FaultCase("kill-decode", kill="decode", what="the decode worker is killed while carol decodes"),
     FaultCase(
         "control:delay-transfer",
-        "delay-transfer=1.3",  # lands while alice's next request (about 0.5 s of decode) holds the pages
+        "delay-transfer=1.2",  # 0.2 s past the timeout: inside alice's next request (0.25-0.5 s of decode)
         fixes="none",
         control=True,
         what="fixes none: the late transfer lands in pages alice was given",

@@ -706,6 +706,10 @@ def check_protocol(scenario: Scenario = INCIDENT, fixes: Fixes | None = None) ->
                     result.violation_states = [*worlds, nxt]
                     result.states_explored = len(parent)
                     return result
+                if len(parent) >= scenario.max_states:  # a new state past the bound: stop, no verdict
+                    result.complete = False
+                    result.states_explored = len(parent)
+                    return result
                 parent[nxt] = (w, step)
                 frontier.append(nxt)
         except _Violation as v:
@@ -713,9 +717,6 @@ def check_protocol(scenario: Scenario = INCIDENT, fixes: Fixes | None = None) ->
             result.violation_kind = v.kind
             result.states_explored = len(parent)
             return result
-        if len(parent) >= scenario.max_states:
-            result.complete = False
-            break
     result.states_explored = len(parent)
     return result
 

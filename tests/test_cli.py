@@ -190,5 +190,6 @@ def test_check_protocol_cut_short_claims_no_isolation() -> None:
     assert proc.returncode == 2
     [r] = __import__("json").loads(proc.stdout)
     assert r["complete"] is False and r["safe"] is False and r["verdict"] == "no verdict (cut short)"
+    assert r["states_explored"] == 1  # the bound is a bound: not one state more
     text = minigrid("check-protocol", "--fixes", "none", "--max-states", "1").stdout
     assert "isolation holds" not in text and "no violation in the states explored" in text
