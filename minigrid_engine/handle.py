@@ -41,7 +41,7 @@ from minigrid_engine.config import DEFAULT_TENANTS, ServeConfig, check_key_text,
 from minigrid_engine.errors import MinigridError
 from minigrid_engine.fixes import Fixes, parse_fixes
 from minigrid_engine.forensics import pages_read
-from minigrid_engine.router import free_port
+from minigrid_engine.router import REFUSED, free_port
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,9 @@ class EngineNotReady(MinigridError):
 
 
 class EngineRefusedToStart(EngineNotReady):
-    """The engine looked at its settings and refused them (a config error, or a fix such as
-    capacity-check refusing the pool): `reason` is its one-line explanation, the outcome a lab
-    prints instead of a traceback."""
+    """A worker looked at its settings and refused them (capacity-check and a pool shorter than the
+    context, a pool this machine cannot hold): `reason` is its one-line explanation, the outcome a
+    lab prints instead of a traceback. A crash during startup stays `EngineNotReady`."""
 
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
@@ -241,9 +241,12 @@ class Engine:
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 said = f"the engine exited with status {self.proc.returncode}:\n{self.log()}"
-                refusals = [ln for ln in self.log().splitlines() if ln.startswith(_SERVE_ERROR)]
-                if self.proc.returncode == 2 and refusals:  # cli.main: a MinigridError, said in one line
-                    raise EngineRefusedToStart(said, refusals[-1].removeprefix(_SERVE_ERROR))
+                # a worker's refusal of its settings, not a crash (that stays EngineNotReady)
+                refusals = [
+                    ln for ln in self.log().splitlines() if ln.startswith(_SERVE_ERROR) and REFUSED in ln
+                ]
+                if self.proc.returncode == 2 and refusals:
+                    raise EngineRefusedToStart(said, refusals[-1].partition(REFUSED)[2])
                 raise EngineNotReady(said)
             try:
                 if self.http.get("/health", timeout=2).status_code == 200:

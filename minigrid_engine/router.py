@@ -76,6 +76,11 @@ def _recv(conn: Connection) -> object:
         return exc
 
 
+# How a worker's refusal of its settings (exit REFUSED_TO_START, one line why) is said by serve;
+# the Python handle reads it back to tell a refusal from a crash.
+REFUSED = "worker refused to start: "
+
+
 class StartupError(MinigridError):
     """A worker failed to start; the message carries what it said."""
 
@@ -402,7 +407,7 @@ class Router:
                         said = "\n".join(w.log_tail)
                         why = f"the {w.name} worker exited with status {w.proc.returncode} during startup"
                         if w.proc.returncode == REFUSED_TO_START and w.log_tail:  # its one line
-                            raise StartupError(f"the {w.name} worker refused to start: {w.log_tail[-1]}")
+                            raise StartupError(f"the {w.name} {REFUSED}{w.log_tail[-1]}")
                         if "address already in use" in said.lower():
                             raise PortInUse(f"{why}:\n{said}", f"{why}: a port it was given was in use")
                         raise StartupError(f"{why}:\n{said}")

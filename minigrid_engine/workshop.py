@@ -159,14 +159,17 @@ class LeakSizes:
     def of_room(cls, room: dict[str, Any], answer_tokens: int = 48) -> LeakSizes:
         context, pool, page = room["context_length"], room["prefill_pool_tokens"], room["page_size"]
         answer = max(1, min(answer_tokens, context // 4))
-        longest = context - answer  # the longest prompt the API accepts with that answer
+        oversized = None
+        if pool < context - 1:  # some prompt the API accepts (with 1 answer token at least) is longer
+            oversized = max(pool + 1, context - answer)
+            answer = context - oversized  # prompt + answer fill the context exactly
         return cls(
             context,
             pool,
             page,
             answer,
             secret_tokens=max(16, (min(pool, context) - 24) * 7 // 8),  # with its 24-token answer
-            oversized_tokens=longest if longest > pool else None,
+            oversized_tokens=oversized,
         )
 
     def describe(self) -> str:

@@ -86,3 +86,17 @@ def test_interrupting_serve_while_its_workers_start_stops_them() -> None:
         assert proc.returncode == 130 and "Traceback" not in err, err
         _, alive = psutil.wait_procs(workers, timeout=10)  # stop_workers: 5 s of grace
         assert not alive, f"{sig.name}: workers left running: {alive}"
+
+
+def test_a_refusal_is_told_from_a_crash(tmp_path: Path) -> None:
+    from minigrid_engine.config import incident_preset
+    from minigrid_engine.handle import EngineRefusedToStart
+
+    with pytest.raises(EngineRefusedToStart) as refused:
+        Engine.start(incident_preset(), fixes="capacity-check")
+    assert refused.value.reason.startswith("capacity-check: the prefill KV pool holds 665 tokens")
+    broken = tmp_path / "weights.pt"
+    broken.write_bytes(b"not a checkpoint")  # the worker crashes loading it: not a refusal
+    with pytest.raises(EngineNotReady) as crashed:
+        Engine.start(corrected_preset(weights=str(broken)))
+    assert not isinstance(crashed.value, EngineRefusedToStart) and "during startup" in str(crashed.value)

@@ -86,7 +86,8 @@ def serve_room(d: Path, *flags: str) -> Iterator[Workshop]:
         (1024, 665, 128, 560, 976, 48),  # the incident's numbers at the lab's scale
         (1024, 400, 64, 329, 976, 48),
         (2048, 1300, 128, 1116, 2000, 48),
-        (1024, 976, 128, 833, None, 48),  # the pool holds the longest prompt the room accepts
+        (1024, 1000, 128, 854, 1001, 23),  # just over the pool: a shorter answer fills the context
+        (1024, 1023, 128, 874, None, 48),  # the pool holds the longest prompt the room accepts
         (128, 80, 16, 49, 96, 32),  # a small context: a shorter answer
     ],
 )
