@@ -240,11 +240,10 @@ class Engine:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                said = f"the engine exited with status {self.proc.returncode}:\n{self.log()}"
+                log = self.log()
+                said = f"the engine exited with status {self.proc.returncode}:\n{log}"
                 # a worker's refusal of its settings, not a crash (that stays EngineNotReady)
-                refusals = [
-                    ln for ln in self.log().splitlines() if ln.startswith(_SERVE_ERROR) and REFUSED in ln
-                ]
+                refusals = [ln for ln in log.splitlines() if ln.startswith(_SERVE_ERROR) and REFUSED in ln]
                 if self.proc.returncode == 2 and refusals:
                     raise EngineRefusedToStart(said, refusals[-1].partition(REFUSED)[2])
                 raise EngineNotReady(said)
