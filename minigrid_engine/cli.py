@@ -111,8 +111,8 @@ def cmd_pool(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from minigrid_engine.engine import Engine, validate_seed, validate_temperature
-    from minigrid_engine.request import Outcome
+    from minigrid_engine.engine import Engine
+    from minigrid_engine.request import Outcome, check_seed, check_temperature
     from minigrid_engine.tokenizer import ByteTokenizer
 
     prompt = args.prompt
@@ -121,8 +121,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if prompt is None:
         raise MinigridError("give a prompt with --prompt TEXT or --prompt-file PATH")
     ids = ByteTokenizer().encode(prompt)  # bad prompts and sampling fail before the model loads
-    validate_temperature(args.temperature)
-    validate_seed(args.seed)
+    check_temperature(args.temperature)
+    check_seed(args.seed)
     pool = _pool_config(args, 2 * args.context_length)
     engine = Engine(pool=pool, context_length=args.context_length, attention=args.attention)
     print(engine.pool.describe(), file=sys.stderr)

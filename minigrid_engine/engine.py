@@ -21,7 +21,14 @@ import torch
 from minigrid_engine.errors import BadInput, ConfigError
 from minigrid_engine.model import Transformer, load_model
 from minigrid_engine.pool import KVPool, PoolConfig
-from minigrid_engine.request import SEED_MAX, SEED_MIN, Outcome, Request, State
+from minigrid_engine.request import (
+    Outcome,
+    Request,
+    State,
+    check_max_tokens,
+    check_seed,
+    check_temperature,
+)
 from minigrid_engine.runner import DecodeItem, ModelRunner, sample
 from minigrid_engine.tokenizer import ByteTokenizer
 from minigrid_engine.trace import Trace
@@ -56,28 +63,6 @@ class Completion:
             None if req.first_token_at is None else req.first_token_at - req.created_at,
             None if req.finished_at is None else req.finished_at - req.created_at,
         )
-
-
-def validate_max_tokens(max_tokens: object) -> int:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise BadInput(f"max_tokens must be a whole number of at least 1, got {max_tokens!r}")
-    return max_tokens
-
-
-def validate_temperature(temperature: object) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise BadInput(f"temperature must be a number, got {temperature!r}")
-    if not 0 <= float(temperature) <= 2:
-        raise BadInput(f"temperature must be between 0 and 2, got {temperature}")
-    return float(temperature)
-
-
-def validate_seed(seed: object) -> int | None:
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadInput(f"seed must be a whole number, got {seed!r}")
-    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
-        raise BadInput(f"seed must be a 64-bit signed integer ({SEED_MIN} to {SEED_MAX}), got {seed}")
-    return seed
 
 
 class Engine:
@@ -138,9 +123,9 @@ class Engine:
             f"req-{next(self._ids)}",
             tenant,
             ids,
-            validate_max_tokens(max_tokens),
-            validate_temperature(temperature),
-            validate_seed(seed),
+            check_max_tokens(max_tokens),
+            check_temperature(temperature),
+            check_seed(seed),
             stop=tuple(tuple(self.tokenizer.encode(s)) for s in stop),
         )
         need = req.prompt_len + req.max_tokens

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 REFUSED_TO_START = 3  # a worker's exit status when it refuses its configuration, in one line
 
 
@@ -14,7 +17,13 @@ class ConfigError(MinigridError, ValueError):
 
 
 class BadInput(MinigridError, ValueError):
-    """A request the engine refuses: empty prompt, undecodable bytes, impossible sizes."""
+    """A request the engine refuses: empty prompt, undecodable bytes, impossible sizes.
+
+    `code` and `param` are what the HTTP API answers with (an OpenAI-style error body)."""
+
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
 
 
 class PoolError(MinigridError):
@@ -23,3 +32,12 @@ class PoolError(MinigridError):
 
 class PoolExhausted(PoolError):
     """Not enough free pages for a reservation."""
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """`value` as JSON for an error message, cut short: a hostile body is never echoed whole."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from minigrid_engine.config import MODEL_ID
-from minigrid_engine.errors import MinigridError
+from minigrid_engine.errors import BadInput, MinigridError, shown
 from minigrid_engine.messages import Result
-from minigrid_engine.request import SEED_MAX, SEED_MIN
+from minigrid_engine.request import check_max_tokens, check_seed, check_temperature
 from minigrid_engine.tokenizer import ByteTokenizer
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses it too (the model never ends by itself)
@@ -102,15 +102,6 @@ def unknown_model(model: Any) -> BadRequest:
     )
 
 
-def shown(value: Any, limit: int = 60) -> str:
-    """`value` as JSON for an error message, cut short: a hostile body is never echoed whole."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError, RecursionError):
-        text = type(value).__name__
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 @dataclass(frozen=True)
 class Sampling:
     """One request once its body is checked: what to feed the model and how to decode."""
@@ -179,37 +170,13 @@ class Bodies:
 
     def _sampling(self, body: dict[str, Any], ids: list[int], max_field: str, prompt_field: str) -> Sampling:
         max_tokens = body.get(max_field)
-        if max_tokens is None:
-            max_tokens = DEFAULT_MAX_TOKENS
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise BadRequest(
-                f"'{max_field}' must be an integer, got {shown(max_tokens)}", "invalid_type", max_field
-            )
-        if max_tokens < 1:
-            raise BadRequest(
-                f"'{max_field}' must be at least 1, got {shown(max_tokens)}", "invalid_value", max_field
-            )
-        temperature = body.get("temperature", 0)
-        if temperature is None:
-            temperature = 0
-        if (
-            isinstance(temperature, bool)
-            or not isinstance(temperature, (int, float))
-            or not 0 <= temperature <= 2
-        ):
-            raise BadRequest(
-                f"'temperature' must be a number from 0 to 2, got {shown(temperature)}",
-                "invalid_value",
-                "temperature",
-            )
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise BadRequest(f"'seed' must be an integer, got {shown(seed)}", "invalid_type", "seed")
-        if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
-            # Out of range, torch.Generator raises inside the workers: refuse it here instead.
-            raise BadRequest(
-                f"'seed' must be a 64-bit signed integer, got {shown(seed)}", "invalid_value", "seed"
-            )
+        temperature = body.get("temperature")
+        try:
+            max_tokens = check_max_tokens(DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, max_field)
+            temperature = check_temperature(0 if temperature is None else temperature)
+            seed = check_seed(body.get("seed"))
+        except BadInput as exc:
+            raise BadRequest(str(exc), exc.code, exc.param) from None
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
             raise BadRequest(f"'stream' must be a boolean, got {shown(stream)}", "invalid_type", "stream")
@@ -218,7 +185,7 @@ class Bodies:
             raise BadRequest(f"'n' must be an integer, got {shown(n)}", "invalid_type", "n")
         if n not in (None, 1):
             raise BadRequest("'n' must be 1: minigrid returns one choice", "unsupported_parameter", "n")
-        self._top_p(body.get("top_p"), float(temperature))
+        self._top_p(body.get("top_p"), temperature)
         for name, (off, instead) in UNSUPPORTED.items():
             value = body.get(name)
             if value is not None and not any(type(value) is type(o) and value == o for o in off):
@@ -244,7 +211,7 @@ class Bodies:
         return Sampling(
             ids,
             max_tokens,
-            float(temperature),
+            temperature,
             seed,
             self.stops(body.get("stop")),
             bool(stream),

@@ -24,11 +24,47 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from minigrid_engine.errors import MinigridError
+from minigrid_engine.errors import BadInput, MinigridError, shown
 from minigrid_engine.trace import STATE, Trace
 
 # A request's sampling seed: what torch.Generator.manual_seed takes (decode adds 1 for its steps)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+# -- the sampling a request may ask for: one check for every door (HTTP API, CLI, Python) ------
+def check_max_tokens(value: object, name: str = "max_tokens") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadInput(f"'{name}' must be an integer, got {shown(value)}", "invalid_type", name)
+    if value < 1:
+        raise BadInput(f"'{name}' must be at least 1, got {shown(value)}", "invalid_value", name)
+    return value
+
+
+def check_temperature(value: object) -> float:
+    """0 is greedy; NaN and infinities fail the range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadInput(f"'temperature' must be a number, got {shown(value)}", "invalid_type", "temperature")
+    if not 0 <= value <= 2:
+        raise BadInput(
+            f"'temperature' must be a number from 0 to 2, got {shown(value)}", "invalid_value", "temperature"
+        )
+    return float(value)
+
+
+def check_seed(value: object) -> int | None:
+    """None (draw one when sampling) or what torch.Generator takes: out of range, it would raise
+    inside a worker, so it is refused at the door instead."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadInput(f"'seed' must be an integer, got {shown(value)}", "invalid_type", "seed")
+    if not SEED_MIN <= value <= SEED_MAX:
+        raise BadInput(
+            f"'seed' must be a 64-bit signed integer ({SEED_MIN} to {SEED_MAX}), got {shown(value)}",
+            "invalid_value",
+            "seed",
+        )
+    return value
 
 
 class State(enum.Enum):

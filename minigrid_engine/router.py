@@ -40,7 +40,7 @@ from starlette.requests import ClientDisconnect
 
 from minigrid_engine import openai_api as oai
 from minigrid_engine.config import ADMIN, CORRECTED_POOL, MODEL_ID, ROLES, ServeConfig, check_admin_key
-from minigrid_engine.errors import REFUSED_TO_START, ConfigError, MinigridError
+from minigrid_engine.errors import REFUSED_TO_START, ConfigError, MinigridError, shown
 from minigrid_engine.fixes import BUILT, FIXES, Fixes, parse_fixes
 from minigrid_engine.messages import (
     Abort,
@@ -897,7 +897,7 @@ class Router:
                 "int_parsing_size": "an integer of at most 4,300 digits",
                 "missing": "given",
             }.get(first.get("type", ""), "valid")
-            got = f", got {oai.shown(first['input'])}" if first.get("type") != "missing" else ""
+            got = f", got {shown(first['input'])}" if first.get("type") != "missing" else ""
             return api_error(
                 400, f"'{param}' must be {expected}{got}", "invalid_request_error", "invalid_value", param
             )
@@ -1135,7 +1135,7 @@ class Router:
                     spec = ",".join(spec)
                 if not isinstance(spec, str):
                     raise BadRequest(
-                        f'send {{"fixes": ...}} with {valid}; got {oai.shown(body)}', "invalid_value", "fixes"
+                        f'send {{"fixes": ...}} with {valid}; got {shown(body)}', "invalid_value", "fixes"
                     )
                 try:
                     fixes = parse_fixes(spec, what="fixes")
@@ -1203,7 +1203,7 @@ class Router:
             if role is not None and role not in ROLES:
                 return api_error(
                     400,
-                    f"role {oai.shown(role)}: choose prefill or decode",
+                    f"role {shown(role)}: choose prefill or decode",
                     "invalid_request_error",
                     "invalid_value",
                     "role",
@@ -1211,7 +1211,7 @@ class Router:
             if worker is not None and worker not in router.workers:
                 return api_error(
                     400,
-                    f"worker {oai.shown(worker)}: choose one of {', '.join(router.workers)}",
+                    f"worker {shown(worker)}: choose one of {', '.join(router.workers)}",
                     "invalid_request_error",
                     "invalid_value",
                     "worker",

@@ -20,7 +20,10 @@ from cli_run import minigrid
         (["generate", "--prompt", ""], "prompt is empty"),
         (["generate", "--prompt", "hi", "--max-tokens", "-3"], "-3 must be at least 1"),
         (["generate", "--prompt", "hi", "--stop", ""], "a stop sequence is empty"),
-        (["generate", "--prompt", "hi", "--temperature", "3"], "temperature must be between 0 and 2, got 3"),
+        (
+            ["generate", "--prompt", "hi", "--temperature", "3"],
+            "'temperature' must be a number from 0 to 2, got 3",
+        ),
         (["bogus"], "invalid choice: 'bogus'"),
         (
             ["serve", "--preset", "corrected", "--ready-file", "/nonexistent/url"],
@@ -53,7 +56,7 @@ from cli_run import minigrid
         (["check-protocol", "--fixes", "bogus"], "unknown fix 'bogus'"),
         (
             ["generate", "--prompt", "hi", "--temperature", "1", "--seed", str(10**24)],
-            "seed must be a 64-bit signed integer",
+            "'seed' must be a 64-bit signed integer",
         ),
         (["audit", "--url", "http://127.0.0.1:9", "--timeout", "-1"], "-1 seconds: give a number above 0"),
         (["audit", "--url", "http://127.0.0.1:9", "--timeout", "nan"], "nan seconds: give a number above 0"),

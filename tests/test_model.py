@@ -158,8 +158,8 @@ def test_bad_token_ids_and_seeds_are_refused_before_any_page_is_reserved(model) 
         ([72, 999], None, "prompt holds 999 at index 1: token ids are whole numbers from 0 to 255"),
         ([72, -1], None, "prompt holds -1 at index 1"),
         ([72, True], None, "prompt holds True at index 1"),
-        ("hi", 2**64, "seed must be a 64-bit signed integer"),
-        ("hi", 1.5, "seed must be a whole number, got 1.5"),
+        ("hi", 2**64, "'seed' must be a 64-bit signed integer"),
+        ("hi", 1.5, "'seed' must be an integer, got 1.5"),
     ]:
         with pytest.raises(BadInput, match=re.escape(message)):
             engine.submit("t", prompt, max_tokens=4, temperature=1.0, seed=seed)
