@@ -134,7 +134,8 @@ class ServeConfig:
         _whole("--prefill-pool-tokens", self.prefill_pool_tokens)
         _whole("--decode-pool-tokens", self.decode_pool_tokens)
         _whole("--max-batch", self.max_batch)
-        for role, tokens in (("prefill", self.prefill_pool_tokens), ("decode", self.decode_pool_tokens)):
+        for role in ROLES:
+            tokens = self.pool_tokens(role)
             if tokens < self.page_size:
                 raise ConfigError(
                     f"--{role}-pool-tokens {tokens} is smaller than one page of {self.page_size} tokens"
@@ -202,6 +203,25 @@ class ServeConfig:
     def workers(self, role: str) -> int:
         """How many worker processes `role` has."""
         return self.prefill_workers if role == "prefill" else self.decode_workers
+
+    def pool_tokens(self, role: str) -> int:
+        """The size of `role`'s KV pool, in tokens."""
+        return self.prefill_pool_tokens if role == "prefill" else self.decode_pool_tokens
+
+    def short_of_context(self, role: str) -> str | None:
+        """What `capacity-check` refuses in `role`'s pool (it cannot hold one full context), or None."""
+        tokens = self.pool_tokens(role)
+        if tokens >= self.context_length:
+            return None
+        return (
+            f"the {role} KV pool holds {tokens} tokens, fewer than the context length of "
+            f"{self.context_length} tokens"
+        )
+
+    @property
+    def corrected_fits(self) -> bool:
+        """Whether `--preset corrected`'s pool holds this context (worth naming in a hint)."""
+        return self.context_length <= CORRECTED_POOL
 
     def rank(self, role: str, index: int) -> int:
         """The torch.distributed rank of worker `index` of `role`: prefill first, then decode."""

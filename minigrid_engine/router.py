@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minigrid_engine import openai_api as oai
-from minigrid_engine.config import ADMIN, CORRECTED_POOL, MODEL_ID, ROLES, ServeConfig, check_admin_key
+from minigrid_engine.config import ADMIN, MODEL_ID, ROLES, ServeConfig, check_admin_key
 from minigrid_engine.errors import REFUSED_TO_START, ConfigError, MinigridError, shown
 from minigrid_engine.fixes import BUILT, FIXES, Fixes, parse_fixes
 from minigrid_engine.messages import (
@@ -693,19 +693,14 @@ class Router:
         if not fixes.capacity_check:
             return None
         c = self.cfg
-        short = [
-            f"the {role} KV pool holds {tokens} tokens, fewer than the context length of "
-            f"{c.context_length} tokens"
-            for role, tokens in (("prefill", c.prefill_pool_tokens), ("decode", c.decode_pool_tokens))
-            if tokens < c.context_length
-        ]
+        short = [s for s in map(c.short_of_context, ROLES) if s]
         if not short:
             return None
         return (
             "capacity-check cannot be turned on for this running engine: "
             + "; ".join(short)
             + " (it is a deployment check: restart with a larger pool"
-            + (", e.g. --preset corrected" if c.context_length <= CORRECTED_POOL else "")
+            + (", e.g. --preset corrected" if c.corrected_fits else "")
             + "). "
             "Every other fix can be switched live."
         )

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from minigrid_engine.config import CORRECTED_POOL, ServeConfig
+from minigrid_engine.config import ServeConfig
 from minigrid_engine.decode import DecodeScheduler
 from minigrid_engine.errors import REFUSED_TO_START, ConfigError, PoolError
 from minigrid_engine.fixes import parse_fixes
@@ -149,7 +149,7 @@ class Worker:
         self.model_line = (
             f"{role} model: {sum(t.numel() for t in model.parameters()):,} parameters from {weights}"
         )
-        tokens = cfg.prefill_pool_tokens if role == "prefill" else cfg.decode_pool_tokens
+        tokens = cfg.pool_tokens(role)
         self.pool = KVPool(
             PoolConfig(tokens, cfg.page_size),
             model.cfg,
@@ -380,7 +380,7 @@ def _refuse_to_start(role: str, cfg: ServeConfig) -> str | None:
     """Why this worker must not start (one line for the operator), or None."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         return f"--device cuda: no CUDA device is visible to the {role} worker (torch {torch.__version__})"
-    tokens = cfg.prefill_pool_tokens if role == "prefill" else cfg.decode_pool_tokens
+    tokens = cfg.pool_tokens(role)
     if cfg.device == "cpu":
         try:
             pool = PoolConfig(tokens, cfg.page_size)
@@ -393,12 +393,12 @@ def _refuse_to_start(role: str, cfg: ServeConfig) -> str | None:
                 f"{need / 2**30:,.1f} GiB, more than this machine's {have / 2**30:,.1f} GiB of memory"
             )
     # Fix `capacity-check`: the deployment check, made by the role from its own pool.
-    if cfg.fixes.capacity_check and tokens < cfg.context_length:
+    short = cfg.short_of_context(role)
+    if cfg.fixes.capacity_check and short:
         return (
-            f"capacity-check: the {role} KV pool holds {tokens} tokens, fewer than the context "
-            f"length of {cfg.context_length} tokens: a valid prompt would not fit. Raise "
+            f"capacity-check: {short}: a valid prompt would not fit. Raise "
             f"--{role}-pool-tokens to at least {cfg.context_length}"
-            + (" (--preset corrected)" if cfg.context_length <= CORRECTED_POOL else "")
+            + (" (--preset corrected)" if cfg.corrected_fits else "")
             + " or lower "
             "--context-length; --fixes none runs the faulty configuration on purpose."
         )
