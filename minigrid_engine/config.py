@@ -115,6 +115,11 @@ class ServeConfig:
     worker_restart_window_s: float = DEFAULT_RESTART_WINDOW_S  # ... within any this many seconds
 
     def __post_init__(self) -> None:
+        # A config file (`--config`) can hold any JSON: strings first, so later checks can use them.
+        for name in ("host", "transfer_host", "worker_listen", "device", "attention", "admin_key"):
+            value = getattr(self, name)
+            if not isinstance(value, str) and not (name == "admin_key" and value is None):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a string, got {value!r}")
         _whole("--port", self.port, 0)
         if self.port > 65535:
             raise ConfigError(f"--port {self.port} is not a TCP port (0-65535)")
@@ -195,10 +200,9 @@ class ServeConfig:
                 f"--worker-restart-window {window!r} must be between 1 and "
                 f"{MAX_RESTART_WINDOW_S:g} seconds (a week)"
             )
-        if not 0 < self.release_timeout_s <= 3600:
-            raise ConfigError(
-                f"--release-timeout {self.release_timeout_s} must be between 0 and 3600 seconds"
-            )
+        timeout = self.release_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 3600:
+            raise ConfigError(f"--release-timeout {timeout!r} must be a number of seconds between 0 and 3600")
 
     def workers(self, role: str) -> int:
         """How many worker processes `role` has."""

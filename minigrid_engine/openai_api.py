@@ -146,6 +146,11 @@ class Bodies:
             raise BadRequest("'messages' is required", "missing_required_parameter", "messages")
         prompt = chat_prompt(self.messages(body["messages"]))
         field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        if field == "max_completion_tokens" and body.get("max_tokens") is not None:
+            try:  # the older field is not used then, but a bad value in it is refused, not ignored
+                check_max_tokens(body["max_tokens"], "max_tokens")
+            except BadInput as exc:
+                raise BadRequest(str(exc), exc.code, exc.param) from None
         return self._sampling(body, self._encode(prompt, "messages"), field, "messages")
 
     # -- the parts -------------------------------------------------------------------------

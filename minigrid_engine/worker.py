@@ -59,8 +59,12 @@ from minigrid_engine.transfer import DistTransport, page_data
 log = logging.getLogger("minigrid.worker")
 
 
-def _addr(text: str) -> tuple[str, int]:
+def _addr(text: str, flag: str = "--router") -> tuple[str, int]:
     host, _, port = text.rpartition(":")
+    if not port.isdigit() or int(port) > 65535:
+        raise ConfigError(
+            f"{flag} {text!r} must be HOST:PORT with a port from 0 to 65535, e.g. 10.0.0.1:7100"
+        )
     return host or "127.0.0.1", int(port)
 
 

@@ -181,11 +181,25 @@ def test_a_config_file_is_checked_field_by_field(tmp_path: Path) -> None:
         ('{"page_size": "big"}', "--page-size must be a whole number, got 'big'"),
         ('{"tenants": {" bob": "sk-b"}}', "tenant name ' bob': give a name without spaces around it"),
         ('{"fixes": ["owner-check", "bogus"]}', "unknown fix 'bogus'"),
+        ('{"host": 5}', "--host must be a string, got 5"),
+        ('{"worker_listen": 7100}', "--worker-listen must be a string, got 7100"),
+        ('{"admin_key": 5}', "--admin-key must be a string, got 5"),
+        ('{"release_timeout_s": "5"}', "--release-timeout '5' must be a number of seconds"),
+        ('{"release_timeout_s": true}', "--release-timeout True must be a number of seconds"),
     ]:
         cfg.write_text(text)
         proc = minigrid("serve", "--config", str(cfg))
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert f"--config {cfg}: " in proc.stderr and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("router", ["noport", "127.0.0.1:abc", "127.0.0.1:99999"])
+def test_a_worker_names_a_router_address_it_cannot_use(router: str, tmp_path: Path) -> None:
+    key = tmp_path / "key.hex"
+    key.write_text("ab" * 32)
+    proc = minigrid("worker", "--role", "decode", "--router", router, "--authkey-file", str(key))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"--router {router!r} must be HOST:PORT" in proc.stderr, proc.stderr
 
 
 def test_check_protocol_cut_short_claims_no_isolation() -> None:

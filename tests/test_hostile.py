@@ -234,6 +234,12 @@ CHAT_FIELDS: dict[str, tuple[Any, int, str, str | None]] = {
         "invalid_value",
         "max_completion_tokens",
     ),
+    "max_tokens bad beside max_completion_tokens": (
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "max_tokens": -5},
+        400,
+        "invalid_value",
+        "max_tokens",
+    ),
     "max_tokens string": (
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "4"},
         400,
