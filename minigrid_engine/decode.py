@@ -315,10 +315,19 @@ class DecodeScheduler:
 
     def _preallocate(self) -> bool:
         moved = False
-        while self.prealloc and self.pool.can_reserve(self._tokens(self.prealloc[0])):
-            req = self.prealloc.popleft()
+        while self.prealloc:
+            req, need = self.prealloc[0], self._tokens(self.prealloc[0])
             if req.finished():
+                self.prealloc.popleft()
                 continue
+            if need > self.pool.capacity_tokens:  # it would wait forever and block everyone behind it
+                self.prealloc.popleft()
+                self._too_large(req)
+                moved = True
+                continue
+            if not self.pool.can_reserve(need):
+                break
+            self.prealloc.popleft()
             res = self.pool.reserve(req.request_id, req.tenant, self._tokens(req))
             req.advance(State.TRANSFERRING, self.trace, role="decode")
             self.transfer[req.room or 0] = req
@@ -326,6 +335,18 @@ class DecodeScheduler:
             self.send_prefill(KVBootstrap(req.room or 0, list(res.pages), self._tokens(req)))
             moved = True
         return moved
+
+    def _too_large(self, req: Request) -> None:
+        """Refuse a request whose prompt and max_tokens together exceed the whole decode pool."""
+        self._abort(
+            req,
+            f"This request needs {self._tokens(req)} tokens of decode KV ({req.prompt_len} prompt + "
+            f"{req.max_tokens} max_tokens), more than the whole decode KV pool of "
+            f"{self.pool.capacity_tokens} tokens; it was rejected before any decode page was reserved. "
+            f"Lower max_tokens or the prompt, or raise --decode-pool-tokens.",
+            "context_length_exceeded",
+            400,
+        )
 
     def _decode(self) -> None:
         batch = self.running[: self.cfg.max_batch]
@@ -422,7 +443,7 @@ class DecodeScheduler:
                 "error",
                 error=reason,
                 code=code,
-                error_type="server_error",
+                error_type="invalid_request_error" if status < 500 else "server_error",
             )
         )
         self.send_prefill(Abort(req.room or 0, reason, status, code, "decode"))

@@ -49,3 +49,20 @@ def test_rejection_reserves_nothing_in_either_pool(model) -> None:
         if e.tenant == "bob"
     ]
     assert not bob_reserves
+
+
+@pytest.mark.parametrize("fixes", ["none", "reject-before-transfer,coverage-check,owner-check"])
+def test_a_request_larger_than_the_decode_pool_is_refused_and_the_queue_goes_on(model, fixes: str) -> None:
+    c = InProcessCluster(incident_preset(fixes=fixes, decode_pool_tokens=512), model)
+    rng = random.Random(3)
+    big = c.submit("alice", record_prompt("alice", 600, rng, 8), 24)
+    small = c.submit("bob", record_prompt("bob", 200, rng, 4), 8)
+    c.run()
+    r = c.results[big]
+    assert r.status == 400 and r.code == "context_length_exceeded"
+    assert "624 tokens of decode KV (600 prompt + 24 max_tokens)" in (r.error or "")
+    assert "decode KV pool of 512 tokens" in (r.error or "")
+    assert c.results[small].status == 200 and len(c.results[small].output_ids) > 0
+    for pool in (c.prefill_pool, c.decode_pool):
+        pool.check_integrity()
+        assert pool.pages_in_use == 0
