@@ -41,7 +41,7 @@ from minigrid_engine.messages import (
 from minigrid_engine.model import Transformer
 from minigrid_engine.pool import KVPool
 from minigrid_engine.request import Outcome, Request, State
-from minigrid_engine.runner import DecodeItem, ModelRunner, sample
+from minigrid_engine.runner import DECODE_STEPS, DecodeItem, ModelRunner, sample, sampling_generator
 from minigrid_engine.trace import WRITE
 from minigrid_engine.transfer import page_checksums, store_pages
 
@@ -385,11 +385,11 @@ class DecodeScheduler:
                 self.send_router(Tokens(r.room or 0, r.output_ids[-1:]))
 
     def _generator(self, req: Request) -> torch.Generator | None:
-        if req.temperature <= 0:
+        if req.temperature <= 0 or req.seed is None:  # greedy, or torch's global generator
             return None
         room = req.room or 0
         if room not in self._generators:
-            self._generators[room] = torch.Generator().manual_seed((req.seed or 0) + 1)
+            self._generators[room] = sampling_generator(req.seed, DECODE_STEPS)
         return self._generators[room]
 
     def _retire(self) -> None:

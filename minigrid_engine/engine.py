@@ -29,7 +29,14 @@ from minigrid_engine.request import (
     check_seed,
     check_temperature,
 )
-from minigrid_engine.runner import DecodeItem, ModelRunner, sample
+from minigrid_engine.runner import (
+    DECODE_STEPS,
+    FIRST_TOKEN,
+    DecodeItem,
+    ModelRunner,
+    sample,
+    sampling_generator,
+)
 from minigrid_engine.tokenizer import ByteTokenizer
 from minigrid_engine.trace import Trace
 
@@ -196,11 +203,12 @@ class Engine:
 
     def _emit_token(self, req: Request, logits: torch.Tensor) -> None:
         gen = None
-        if req.temperature > 0:
-            gen = self._generators.get(req.request_id)
-            if gen is None:
-                gen = torch.Generator().manual_seed(req.seed if req.seed is not None else 0)
-                self._generators[req.request_id] = gen
+        if req.temperature > 0:  # the streams and seeds of the disaggregated engine, so a seed agrees
+            seed = req.seed if req.seed is not None else 0
+            if not req.output_ids:
+                gen = sampling_generator(seed, FIRST_TOKEN)
+            elif (gen := self._generators.get(req.request_id)) is None:
+                gen = self._generators[req.request_id] = sampling_generator(seed, DECODE_STEPS)
         req.output_ids.append(sample(logits, req.temperature, gen))
         if req.first_token_at is None:
             req.first_token_at = time.time()

@@ -69,9 +69,17 @@ class InProcessCluster:
                 msg.room, "", "", msg.status, error=msg.reason, code=msg.code, finish_reason="error"
             )
 
-    def submit(self, tenant: str, prompt: str, max_tokens: int = 16) -> int:
+    def submit(
+        self,
+        tenant: str,
+        prompt: str,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int | None = None,
+    ) -> int:
         room = next(self._rooms)
-        msg = GenerateRequest(room, f"{tenant}-{room}", tenant, self.tokenizer.encode(prompt), max_tokens)
+        ids = self.tokenizer.encode(prompt)
+        msg = GenerateRequest(room, f"{tenant}-{room}", tenant, ids, max_tokens, temperature, seed)
         self.prefill.on_generate(msg)
         self.decode.on_generate(msg)
         return room
@@ -120,8 +128,15 @@ class InProcessCluster:
                 return
         raise RuntimeError(f"in-process cluster still busy after {max_steps} steps")
 
-    def complete(self, tenant: str, prompt: str, max_tokens: int = 16) -> Result:
-        room = self.submit(tenant, prompt, max_tokens)
+    def complete(
+        self,
+        tenant: str,
+        prompt: str,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int | None = None,
+    ) -> Result:
+        room = self.submit(tenant, prompt, max_tokens, temperature, seed)
         self.run()
         return self.results[room]
 

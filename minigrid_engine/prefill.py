@@ -22,8 +22,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from minigrid_engine.config import ServeConfig
 from minigrid_engine.faults import FAULTS, NORMAL_STEPS, STEPS, Fault, parse_faults, take
 from minigrid_engine.messages import (
@@ -38,7 +36,7 @@ from minigrid_engine.messages import (
 from minigrid_engine.model import Transformer
 from minigrid_engine.pool import KVPool
 from minigrid_engine.request import Outcome, Request, State
-from minigrid_engine.runner import ModelRunner, sample
+from minigrid_engine.runner import FIRST_TOKEN, ModelRunner, sample, sampling_generator
 from minigrid_engine.transfer import page_checksums
 
 STUB_TOKEN = 0  # SGLang's placeholder input ids: [0]
@@ -250,7 +248,7 @@ class PrefillScheduler:
                     self.trace.emit("fault", req.request_id, req.tenant, (), fault=str(fault), room=req.room)
                     raise RuntimeError(f"injected fault {fault}")
                 logits = self.runner.prefill(req.request_id, req.tenant, req.prompt_ids, res.pages)
-                gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+                gen = None if req.seed is None else sampling_generator(req.seed, FIRST_TOKEN)
                 first = sample(logits, req.temperature, gen)
             except Exception as exc:  # this request fails; the worker and every other request go on
                 self._fail(

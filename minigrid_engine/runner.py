@@ -12,6 +12,7 @@ trace and the owner-check behave the same whichever does the arithmetic.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -245,12 +246,33 @@ class ModelRunner:
         return logits[:, 0]
 
 
+# A request samples from two streams: its first token where its prompt is computed (prefill, or
+# the single-process engine's prefill), then its decode steps.
+FIRST_TOKEN, DECODE_STEPS = 0, 1
+
+
+def sampling_generator(seed: int, stream: int) -> torch.Generator:
+    """The generator for one of a seeded request's sampling streams.
+
+    torch's CPU generator keeps only the low 32 bits of the seed it is given, so seeds 2**32 apart
+    would sample alike, and "decode uses seed + 1" would make one request's decode steps another's
+    first token. The whole 64-bit seed and the stream are hashed into the generator's seed instead.
+    """
+    digest = hashlib.blake2b(f"{seed}:{stream}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+
+
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> int:
-    """Greedy at temperature 0 (deterministic); otherwise sample from softmax(logits / T)."""
+    """Greedy at temperature 0 (deterministic); otherwise sample from softmax(logits / T).
+
+    Sampling runs on the CPU whatever device computed the logits: the generators are CPU ones, and
+    a seed then gives the same tokens on a GPU as here.
+    """
     if temperature <= 0:
         return int(torch.argmax(logits).item())
     # Shift so the largest logit is 0 before dividing, in float64: a temperature of 1e-300 (within
     # 0-2, so allowed) then gives 0 for the best token and -inf, never NaN, for the others.
-    scaled = (logits.double() - logits.max().double()) / temperature
+    logits = logits.detach().to("cpu", torch.float64)
+    scaled = (logits - logits.max()) / temperature
     probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())
