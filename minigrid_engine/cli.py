@@ -115,18 +115,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from minigrid_engine.request import Outcome, check_seed, check_temperature
     from minigrid_engine.tokenizer import ByteTokenizer
 
-    prompt = args.prompt
+    # Arguments as the bytes given (argv keeps invalid UTF-8 as surrogates): the tokenizer names them
+    prompt = None if args.prompt is None else os.fsencode(args.prompt)
     if args.prompt_file is not None:
-        prompt = args.prompt_file.read()  # bytes: the tokenizer names any invalid UTF-8
+        prompt = args.prompt_file.read()
     if prompt is None:
         raise MinigridError("give a prompt with --prompt TEXT or --prompt-file PATH")
-    ids = ByteTokenizer().encode(prompt)  # bad prompts and sampling fail before the model loads
+    tok = ByteTokenizer()
+    ids = tok.encode(prompt)  # bad prompts, stops and sampling fail before the model loads
+    stops = [tok.decode(tok.encode(os.fsencode(s), "a stop sequence")) for s in args.stop or ()]
     check_temperature(args.temperature)
     check_seed(args.seed)
     pool = _pool_config(args, 2 * args.context_length)
     engine = Engine(pool=pool, context_length=args.context_length, attention=args.attention)
     print(engine.pool.describe(), file=sys.stderr)
-    req = engine.submit(args.tenant, ids, args.max_tokens, args.temperature, args.seed, args.stop or ())
+    req = engine.submit(args.tenant, ids, args.max_tokens, args.temperature, args.seed, stops)
     engine.run()
     if req.outcome is Outcome.REJECTED:
         print(f"minigrid generate: rejected: {req.error}", file=sys.stderr)

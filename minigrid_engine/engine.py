@@ -133,7 +133,7 @@ class Engine:
             check_max_tokens(max_tokens),
             check_temperature(temperature),
             check_seed(seed),
-            stop=tuple(tuple(self.tokenizer.encode(s)) for s in stop),
+            stop=tuple(tuple(self.tokenizer.encode(s, "a stop sequence")) for s in stop),
         )
         need = req.prompt_len + req.max_tokens
         if need > self.context_length or need > self.pool.capacity_tokens:

@@ -358,7 +358,7 @@ class Bodies:
             if s == "":
                 raise BadRequest("'stop' holds an empty string", "invalid_value", "stop")
             try:
-                ids = tuple(self.tokenizer.encode(s))
+                ids = tuple(self.tokenizer.encode(s, "a stop sequence"))
             except MinigridError as exc:
                 raise BadRequest(f"'stop' {shown(s)}: {exc}", "invalid_value", "stop") from None
             if len(ids) > MAX_STOP_TOKENS:

@@ -18,24 +18,24 @@ class ByteTokenizer:
 
     vocab_size: int = VOCAB_SIZE
 
-    def encode(self, text: str | bytes) -> list[int]:
-        """Token ids of `text`; raises `BadInput` for an empty or undecodable prompt."""
+    def encode(self, text: str | bytes, what: str = "prompt") -> list[int]:
+        """Token ids of `text`; raises `BadInput` naming `what` for an empty or undecodable text."""
         if isinstance(text, bytes):
             try:
                 text = text.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise BadInput(
-                    f"prompt is not valid UTF-8: byte 0x{text[exc.start]:02x} at offset {exc.start}"
+                    f"{what} is not valid UTF-8: byte 0x{text[exc.start]:02x} at offset {exc.start}"
                 ) from None
         if not isinstance(text, str):
-            raise BadInput(f"prompt must be a string, got {type(text).__name__}")
+            raise BadInput(f"{what} must be a string, got {type(text).__name__}")
         if text == "":
-            raise BadInput("prompt is empty: send at least one character")
+            raise BadInput(f"{what} is empty: send at least one character")
         try:
             return list(text.encode("utf-8"))
         except UnicodeEncodeError as exc:  # lone surrogates, e.g. from a JSON "\ud800"
             raise BadInput(
-                f"prompt holds a character that is not encodable as UTF-8 at offset {exc.start}"
+                f"{what} holds a character that is not encodable as UTF-8 at offset {exc.start}"
             ) from None
 
     def decode(self, ids: list[int]) -> str:

@@ -86,6 +86,21 @@ def test_undecodable_prompt_file(tmp_path: Path) -> None:
     assert "not valid UTF-8: byte 0xff at offset 6" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", "h\udcffi"], "prompt is not valid UTF-8: byte 0xff at offset 1"),
+        (["--prompt", "hi", "--stop", "\udcff"], "a stop sequence is not valid UTF-8: byte 0xff at offset 0"),
+        (["--prompt", "hi", "--stop", ""], "a stop sequence is empty"),
+    ],
+    ids=["prompt", "stop", "empty-stop"],
+)
+def test_undecodable_arguments_are_named_before_the_model_loads(args: list[str], message: str) -> None:
+    proc = minigrid("generate", *args)  # argv carries the invalid byte itself (os.fsencode)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert "KV pool" not in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_pool_reports_tokens_pages_and_bytes() -> None:
     proc = minigrid("pool", "--pool-tokens", "665", "--page-size", "128")
     assert proc.returncode == 0

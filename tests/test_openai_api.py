@@ -102,6 +102,8 @@ def test_chat_prompt_ends_on_the_last_message() -> None:
     assert chat_prompt(msgs) == "Be brief.\nBOB pin"
     with pytest.raises(BadRequest, match="at most 4"):
         bodies.stops(list("abcde"))
+    with pytest.raises(BadRequest, match="a stop sequence holds a character that is not encodable"):
+        bodies.stops(["ok", "\ud800"])
 
 
 # -- the live engine, through the official client -------------------------------------------
