@@ -334,10 +334,23 @@ class Router:
         """One start of every worker: a new generation, fresh ports, a new torch.distributed group."""
         authkey = self.authkey or secrets.token_bytes(32)
         env = dict(os.environ, MINIGRID_AUTHKEY=authkey.hex())
-        listener = Listener(_host_port(self.cfg.worker_listen), authkey=authkey)
+        try:
+            listener = Listener(_host_port(self.cfg.worker_listen), authkey=authkey)
+        except OSError as exc:
+            raise ConfigError(
+                f"--worker-listen {self.cfg.worker_listen}: cannot listen for workers there "
+                f"({exc.strerror or exc})"
+            ) from None
         router_addr = "{}:{}".format(*listener.address)
-        self._peer_ports = [free_port(self.cfg.transfer_host) for _ in range(self.cfg.prefill_workers)]
-        self._dist_port = free_port(self.cfg.transfer_host)
+        try:
+            self._peer_ports = [free_port(self.cfg.transfer_host) for _ in range(self.cfg.prefill_workers)]
+            self._dist_port = free_port(self.cfg.transfer_host)
+        except OSError as exc:
+            listener.close()
+            raise ConfigError(
+                f"--transfer-host {self.cfg.transfer_host}: cannot listen for the KV transfer there "
+                f"({exc.strerror or exc}); give an address of this host"
+            ) from None
         # The workers' command line is readable by every local user (`ps`): it carries no API key.
         self._worker_cfg = self.cfg.with_(tenants={name: "-" for name in self.cfg.tenants}, admin_key=None)
         with self._plock:

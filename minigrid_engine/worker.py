@@ -505,6 +505,19 @@ def remote_main(
             flush=True,
         )
         return 2
+    except OSError as exc:  # refused until the deadline, or a name that does not resolve
+        why = (
+            f"nothing listened there for {timeout_s:g} s"
+            if isinstance(exc, ConnectionRefusedError)
+            else exc.strerror or str(exc)
+        )
+        print(
+            f"minigrid worker: cannot reach a router at {router_addr} ({why}): start it with "
+            f"--worker-listen {router_addr}, or give --router the address it listens on",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     router.send(Join(role, index, address or ""))
     got = router.recv()
     if not isinstance(got, Assign):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,37 @@ def test_a_worker_names_a_router_address_it_cannot_use(router: str, tmp_path: Pa
     proc = minigrid("worker", "--role", "decode", "--router", router, "--authkey-file", str(key))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"--router {router!r} must be HOST:PORT" in proc.stderr, proc.stderr
+
+
+def test_a_worker_with_no_router_there_names_the_address(tmp_path: Path) -> None:
+    key = tmp_path / "key.hex"
+    key.write_text("ab" * 32)
+    with socket.socket() as s:  # a port nothing listens on: bound here, never listened
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+        proc = minigrid(
+            "worker",
+            "--role",
+            "decode",
+            "--router",
+            addr,
+            "--authkey-file",
+            str(key),
+            "--connect-timeout",
+            "1",
+        )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"cannot reach a router at {addr} (nothing listened there for 1 s)" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--transfer-host", "nonexistent.invalid"), ("--worker-listen", "nonexistent.invalid:0")],
+)
+def test_serve_names_an_address_it_cannot_listen_on(flag: str, value: str) -> None:
+    proc = minigrid("serve", flag, value, "--port", "0")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{flag} {value}: cannot listen" in proc.stderr, proc.stderr
 
 
 def test_check_protocol_cut_short_claims_no_isolation() -> None:
