@@ -126,7 +126,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stops = [tok.decode(tok.encode(os.fsencode(s), "a stop sequence")) for s in args.stop or ()]
     check_temperature(args.temperature)
     check_seed(args.seed)
-    pool = _pool_config(args, 2 * args.context_length)
+    pool = _pool_config(args, max(2 * args.context_length, args.page_size))  # two contexts, a page at least
     engine = Engine(pool=pool, context_length=args.context_length, attention=args.attention)
     print(engine.pool.describe(), file=sys.stderr)
     req = engine.submit(args.tenant, ids, args.max_tokens, args.temperature, args.seed, stops)

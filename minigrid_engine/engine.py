@@ -92,7 +92,11 @@ class Engine:
         self.context_length = context_length
         self.trace = trace if trace is not None else Trace("engine")
         self.pool = KVPool(
-            pool or PoolConfig(2 * context_length), self.model.cfg, "engine", self.trace, device
+            pool or PoolConfig(max(2 * context_length, PoolConfig.page_size)),
+            self.model.cfg,
+            "engine",
+            self.trace,
+            device,
         )
         self.runner = ModelRunner(self.model, self.pool, attention=attention)  # torch | triton
         self.max_batch = max_batch
@@ -141,8 +145,11 @@ class Engine:
                 Outcome.REJECTED,
                 self.trace,
                 f"prompt of {req.prompt_len} tokens + max_tokens {req.max_tokens} = {need} exceeds "
-                f"the context length {self.context_length} or the pool of "
-                f"{self.pool.capacity_tokens} tokens",
+                + (
+                    f"the context length of {self.context_length} tokens"
+                    if need > self.context_length
+                    else f"the KV pool of {self.pool.capacity_tokens} tokens"
+                ),
             )
             return req
         self.waiting.append(req)

@@ -61,8 +61,9 @@ class PoolConfig:
         partial = self.capacity_tokens % self.page_size
         extra = self.page_size - partial
         note = f" ({extra} slot{'s' if extra != 1 else ''} past the token budget)" if partial else ""
+        pages = f"{self.n_pages} page{'s' if self.n_pages != 1 else ''}"
         return (
-            f"{role} KV pool: {self.capacity_tokens} tokens in {self.n_pages} pages of "
+            f"{role} KV pool: {self.capacity_tokens} tokens in {pages} of "
             f"{self.page_size} tokens{note} ({model.kv_bytes_per_token(dtype)} bytes per token, "
             f"{self.nbytes(model, dtype) / 2**20:.1f} MiB)"
         )

@@ -147,7 +147,14 @@ def test_generate_ends_at_a_stop_text_and_leaves_it_out() -> None:
 def test_generate_rejects_a_prompt_over_the_context() -> None:
     proc = minigrid("generate", "--prompt", "x" * 300, "--context-length", "256", "--pool-tokens", "512")
     assert proc.returncode == 1
-    assert "prompt of 300 tokens + max_tokens 32 = 332 exceeds the context length 256" in proc.stderr
+    want = "prompt of 300 tokens + max_tokens 32 = 332 exceeds the context length of 256 tokens"
+    assert want in proc.stderr
+    pool = minigrid("generate", "--prompt", "x" * 300, "--context-length", "1024", "--pool-tokens", "256")
+    assert "= 332 exceeds the KV pool of 256 tokens" in pool.stderr, pool.stderr
+    tiny = minigrid("generate", "--prompt", "x", "--max-tokens", "1", "--context-length", "1")
+    assert "exceeds the context length of 1 tokens" in tiny.stderr and "one page" not in tiny.stderr, (
+        tiny.stderr
+    )
 
 
 def test_check_protocol_finds_the_incident_and_the_fixes_close_it() -> None:
