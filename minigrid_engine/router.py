@@ -1139,6 +1139,13 @@ class Router:
             try:
                 body = parse_json(await read_body(request, 64 * 1024))
                 spec = body.get("fixes") if isinstance(body, dict) else None
+                if isinstance(body, dict) and (extra := sorted(set(body) - {"fixes"})):
+                    # e.g. {"fixes": "none", "owner-check": true}: a switch the client thinks it made
+                    raise BadRequest(
+                        f'unknown field {shown(extra[0])}: the body holds only "fixes" ({valid})',
+                        "unknown_parameter",
+                        extra[0][:60],
+                    )
                 if isinstance(spec, list) and spec and all(isinstance(n, str) for n in spec):
                     spec = ",".join(spec)
                 if not isinstance(spec, str):

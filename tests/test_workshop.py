@@ -157,6 +157,7 @@ def test_admin_endpoints_refuse_students(room: Workshop, method: str, path: str)
         ({"fixes": ["reject-before-transfer", "nope"]}, 400, "'nope'"),
         ({"fixes": 3}, 400, "reject-before-transfer"),
         ([1, 2], 400, "none, all"),
+        ({"fixes": "none", "owner-check": True}, 400, 'unknown field "owner-check"'),
         ({"fixes": "capacity-check"}, 409, "665 tokens, fewer than the context length of 1024"),
         ({"fixes": "all"}, 409, "665 tokens"),
     ],
