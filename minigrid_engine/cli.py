@@ -357,7 +357,7 @@ def cmd_check_protocol(args: argparse.Namespace) -> int:
 
     names = list(protocol.SCENARIOS) if args.scenario == "all" else [args.scenario]
     bounds = {
-        "requests": protocol.parse_requests(args.requests) if args.requests else None,
+        "requests": None if args.requests is None else protocol.parse_requests(args.requests),
         "prefill_pages": args.prefill_pages,
         "decode_pages": args.decode_pages,
         "context_pages": args.context_pages,

@@ -52,6 +52,7 @@ from cli_run import minigrid
             "alice-1: 9 pages; prompts run from 1 page to the context",
         ),
         (["check-protocol", "--requests", "alice"], "request 'alice': write TENANT:PAGES"),
+        (["check-protocol", "--requests", ""], "--requests '': give at least one TENANT:PAGES"),
         (["check-protocol", "--requests", "a:1,b:1,c:1,d:1,e:1"], "5 requests: the model checks 1 to 4"),
         (["check-protocol", "--losses", "7"], "losses must be between 0 and 3, got 7"),
         (["check-protocol", "--fixes", "bogus"], "unknown fix 'bogus'"),
