@@ -203,6 +203,22 @@ def test_greedy_completions_are_identical_with_triton_and_torch(model) -> None:
     assert texts["torch"][0][1].startswith(" QZ7K2M9P")  # the model copied its own card
 
 
+def test_seeded_sampling_runs_on_the_device_and_repeats(model) -> None:
+    """Sampling draws on the CPU from a CPU generator, whatever device made the logits (on CUDA a
+    CPU generator given CUDA probabilities would raise); the same seed, the same tokens."""
+    for backend in ("torch", "triton"):
+        engine = Engine(
+            model=model, pool=PoolConfig(512, 16), context_length=256, device=DEVICE, attention=backend
+        )
+        runs = []
+        for _ in range(2):
+            req = engine.submit("t", PROMPTS[0], max_tokens=8, temperature=0.9, seed=2**40 + 3)
+            engine.run()
+            runs.append(req.output_ids)
+        assert len(runs[0]) == 8 and runs[0] == runs[1], (backend, runs)
+        engine.pool.check_integrity()
+
+
 def test_stale_block_table_leaks_through_the_triton_kernel_and_owner_check_flags_it(model) -> None:
     """tests/test_model.py's leak, every read through the kernels: bob decodes over alice's pages."""
     rng = random.Random(3)
