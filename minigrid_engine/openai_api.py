@@ -401,14 +401,23 @@ def usage(result: Result) -> dict[str, int]:
     }
 
 
+# Request ids (`alice-3`) count from 1 in each server: the response id adds this server's own tag,
+# so that ids stay unique across restarts, as clients that store them expect.
+SERVER_TAG = secrets.token_hex(4)
+
+
+def response_id(kind: str, request_id: str) -> str:
+    return f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{SERVER_TAG}-{request_id}"
+
+
 def response(kind: str, result: Result, text: str, created: int) -> dict[str, Any]:
     """The whole answer of a request that was not streamed."""
     if kind == CHAT:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-        head = {"id": f"chatcmpl-{result.request_id}", "object": "chat.completion"}
+        head = {"id": response_id(kind, result.request_id), "object": "chat.completion"}
     else:
         choice = {"index": 0, "text": text}
-        head = {"id": f"cmpl-{result.request_id}", "object": "text_completion"}
+        head = {"id": response_id(kind, result.request_id), "object": "text_completion"}
     return {
         **head,
         "created": created,
@@ -429,10 +438,10 @@ def chunk(
         else:
             delta = {} if text is None else {"content": text}
         choice: dict[str, Any] = {"index": 0, "delta": delta}
-        head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion.chunk"}
+        head = {"id": response_id(kind, request_id), "object": "chat.completion.chunk"}
     else:
         choice = {"index": 0, "text": text or ""}
-        head = {"id": f"cmpl-{request_id}", "object": "text_completion"}
+        head = {"id": response_id(kind, request_id), "object": "text_completion"}
     return {
         **head,
         "created": created,

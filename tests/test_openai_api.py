@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -104,6 +106,14 @@ def test_chat_prompt_ends_on_the_last_message() -> None:
         bodies.stops(list("abcde"))
     with pytest.raises(BadRequest, match="a stop sequence holds a character that is not encodable"):
         bodies.stops(["ok", "\ud800"])
+
+
+def test_response_ids_stay_unique_across_server_restarts() -> None:
+    code = "from minigrid_engine.openai_api import response_id; print(response_id('text', 'alice-1'))"
+    ids = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout for _ in range(2)
+    }
+    assert len(ids) == 2 and all(i.startswith("cmpl-") and i.strip().endswith("-alice-1") for i in ids), ids
 
 
 # -- the live engine, through the official client -------------------------------------------
