@@ -211,8 +211,7 @@ class Bodies:
             )
         if seed is None and temperature > 0:
             # No seed: a fresh one for this request, as OpenAI samples afresh on every call
-            # (decode adds 1 to it, so stay clear of the top of the range).
-            seed = secrets.randbits(62)
+            seed = secrets.randbits(63)
         return Sampling(
             ids,
             max_tokens,

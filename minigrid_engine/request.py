@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from minigrid_engine.errors import BadInput, MinigridError, shown
 from minigrid_engine.trace import STATE, Trace
 
-# A request's sampling seed: what torch.Generator.manual_seed takes (decode adds 1 for its steps)
+# A request's sampling seed, any 64-bit signed integer (`runner.sampling_generator` hashes it)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 

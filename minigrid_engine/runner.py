@@ -255,8 +255,8 @@ def sampling_generator(seed: int, stream: int) -> torch.Generator:
     """The generator for one of a seeded request's sampling streams.
 
     torch's CPU generator keeps only the low 32 bits of the seed it is given, so seeds 2**32 apart
-    would sample alike, and "decode uses seed + 1" would make one request's decode steps another's
-    first token. The whole 64-bit seed and the stream are hashed into the generator's seed instead.
+    would sample alike, and a plain "decode uses seed + 1" would make one request's decode steps
+    another's first token. The whole 64-bit seed and the stream are hashed into the generator's seed instead.
     """
     digest = hashlib.blake2b(f"{seed}:{stream}".encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
