@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from minigrid_engine.errors import ConfigError
+from minigrid_engine.errors import ConfigError, counted
 from minigrid_engine.fixes import Fixes, parse_fixes
 from minigrid_engine.recovery import DEFAULT_RESTART_WINDOW_S
 
@@ -218,8 +218,8 @@ class ServeConfig:
         if tokens >= self.context_length:
             return None
         return (
-            f"the {role} KV pool holds {tokens} tokens, fewer than the context length of "
-            f"{self.context_length} tokens"
+            f"the {role} KV pool holds {counted(tokens, 'token')}, fewer than the context length of "
+            f"{counted(self.context_length, 'token')}"
         )
 
     @property

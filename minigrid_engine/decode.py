@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from minigrid_engine.config import ServeConfig
+from minigrid_engine.errors import counted
 from minigrid_engine.messages import (
     Abort,
     AbortAck,
@@ -174,10 +175,15 @@ class DecodeScheduler:
         # Fix `coverage-check` (SGLang #38704): compare the KV prefill says it wrote with what this
         # role preallocated and is about to attend over.
         if self.fixes.coverage_check and msg.written_tokens != req.prompt_len:
+            wrote = (
+                "states no KV length (its coverage-check is off)"
+                if msg.written_tokens is None
+                else f"wrote {counted(msg.written_tokens, 'token')} of KV"
+            )
             self._abort(
                 req,
-                f"KV coverage mismatch for {req.request_id}: prefill wrote {msg.written_tokens} tokens "
-                f"of KV, decode preallocated {req.prompt_len}",
+                f"KV coverage mismatch for {req.request_id}: prefill {wrote}, decode preallocated "
+                f"{req.prompt_len}",
                 "kv_coverage_mismatch",
             )
             return
@@ -188,8 +194,9 @@ class DecodeScheduler:
             self._fail_transfer(
                 req,
                 f"KV coverage mismatch for {req.request_id}: prefill's done message says "
-                f"{msg.written_tokens} tokens of KV were sent, but page data for only {len(received)} of "
-                f"{need} prompt pages had arrived (lost, or overtaken by the done message)",
+                f"{counted(req.prompt_len, 'token')} of KV were sent, but page data for only "
+                f"{len(received)} of {need} prompt pages had arrived (lost, or overtaken by the done "
+                "message)",
                 "kv_coverage_mismatch",
             )
             return

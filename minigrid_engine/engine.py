@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minigrid_engine.errors import BadInput, ConfigError
+from minigrid_engine.errors import BadInput, ConfigError, counted
 from minigrid_engine.model import Transformer, load_model
 from minigrid_engine.pool import KVPool, PoolConfig
 from minigrid_engine.request import (
@@ -144,11 +144,12 @@ class Engine:
             req.finish(
                 Outcome.REJECTED,
                 self.trace,
-                f"prompt of {req.prompt_len} tokens + max_tokens {req.max_tokens} = {need} exceeds "
+                f"prompt of {counted(req.prompt_len, 'token')} + max_tokens {req.max_tokens} = {need} "
+                "exceeds "
                 + (
-                    f"the context length of {self.context_length} tokens"
+                    f"the context length of {counted(self.context_length, 'token')}"
                     if need > self.context_length
-                    else f"the KV pool of {self.pool.capacity_tokens} tokens"
+                    else f"the KV pool of {counted(self.pool.capacity_tokens, 'token')}"
                 ),
             )
             return req

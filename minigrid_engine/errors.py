@@ -34,6 +34,11 @@ class PoolExhausted(PoolError):
     """Not enough free pages for a reservation."""
 
 
+def counted(n: int, unit: str) -> str:
+    """`n` and its unit, singular for one: "1 token", "3 pages"."""
+    return f"{n} {unit}{'' if n == 1 else 's'}"
+
+
 def shown(value: Any, limit: int = 60) -> str:
     """`value` as JSON for an error message, cut short: a hostile body is never echoed whole."""
     try:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minigrid_engine.config import MAX_PAGE_SIZE
-from minigrid_engine.errors import ConfigError, PoolError, PoolExhausted
+from minigrid_engine.errors import ConfigError, PoolError, PoolExhausted, counted
 from minigrid_engine.model import ModelConfig
 from minigrid_engine.trace import RELEASE, RESERVE, Trace
 
@@ -60,11 +60,10 @@ class PoolConfig:
         """The startup line: capacity in tokens and pages, and the bytes it costs."""
         partial = self.capacity_tokens % self.page_size
         extra = self.page_size - partial
-        note = f" ({extra} slot{'s' if extra != 1 else ''} past the token budget)" if partial else ""
-        pages = f"{self.n_pages} page{'s' if self.n_pages != 1 else ''}"
+        note = f" ({counted(extra, 'slot')} past the token budget)" if partial else ""
         return (
-            f"{role} KV pool: {self.capacity_tokens} tokens in {pages} of "
-            f"{self.page_size} tokens{note} ({model.kv_bytes_per_token(dtype)} bytes per token, "
+            f"{role} KV pool: {self.capacity_tokens} tokens in {counted(self.n_pages, 'page')} of "
+            f"{counted(self.page_size, 'token')}{note} ({model.kv_bytes_per_token(dtype)} bytes per token, "
             f"{self.nbytes(model, dtype) / 2**20:.1f} MiB)"
         )
 

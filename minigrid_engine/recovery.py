@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from minigrid_engine.errors import counted
+
 DEFAULT_RETRY_AFTER_S = 5  # what a client is told to wait before the first restart has been timed
 DEFAULT_RESTART_WINDOW_S = 600.0  # restarts older than this no longer count against the limit
 
@@ -99,7 +101,7 @@ class Recovery:
         if recent >= self.limit:
             return (
                 f"the router will not restart the workers any more: it has restarted them "
-                f"{recent} time{'s' if recent != 1 else ''} in {self.window_s:g} s, the limit set by "
+                f"{counted(recent, 'time')} in {self.window_s:g} s, the limit set by "
                 f"--worker-restarts {self.limit} --worker-restart-window {self.window_s:g}; "
                 "find out why they die, then restart `minigrid serve`"
             )

@@ -40,7 +40,7 @@ from starlette.requests import ClientDisconnect
 
 from minigrid_engine import openai_api as oai
 from minigrid_engine.config import ADMIN, MODEL_ID, ROLES, ServeConfig, check_admin_key
-from minigrid_engine.errors import REFUSED_TO_START, ConfigError, MinigridError, shown
+from minigrid_engine.errors import REFUSED_TO_START, ConfigError, MinigridError, counted, shown
 from minigrid_engine.fixes import BUILT, FIXES, Fixes, parse_fixes
 from minigrid_engine.messages import (
     Abort,
@@ -741,7 +741,7 @@ class Router:
                     break
                 if time.monotonic() > deadline:
                     raise FixesBusy(
-                        f"the fixes were not switched: {busy} request{'s' if busy != 1 else ''} still in "
+                        f"the fixes were not switched: {counted(busy, 'request')} still in "
                         f"flight after {drain_s:g} s (a switch waits for them); retry"
                     )
                 time.sleep(0.02)

@@ -153,7 +153,7 @@ def test_generate_rejects_a_prompt_over_the_context() -> None:
     pool = minigrid("generate", "--prompt", "x" * 300, "--context-length", "1024", "--pool-tokens", "256")
     assert "= 332 exceeds the KV pool of 256 tokens" in pool.stderr, pool.stderr
     tiny = minigrid("generate", "--prompt", "x", "--max-tokens", "1", "--context-length", "1")
-    assert "exceeds the context length of 1 tokens" in tiny.stderr and "one page" not in tiny.stderr, (
+    assert "exceeds the context length of 1 token" in tiny.stderr and "one page" not in tiny.stderr, (
         tiny.stderr
     )
 

@@ -82,7 +82,7 @@ def test_reject_before_transfer_reserves_no_decode_page() -> None:
 def test_coverage_check(n: Numbers) -> None:
     rep, _, log = scenario("coverage-check", n)
     assert rep.reply.status == 500 and rep.reply.error["code"] == "kv_coverage_mismatch"
-    assert f"prefill wrote 1 tokens of KV, decode preallocated {n.attacker_len}" in rep.reply.error["message"]
+    assert f"prefill wrote 1 token of KV, decode preallocated {n.attacker_len}" in rep.reply.error["message"]
     assert "KV coverage mismatch" in log  # named in the log
     assert rep.reply.text == ""
     assert_victims_served(rep)
