@@ -691,34 +691,33 @@ def check_protocol(scenario: Scenario = INCIDENT, fixes: Fixes | None = None) ->
             steps.append(step)
         return steps[::-1], worlds[::-1]
 
-    while frontier:
-        w = frontier.popleft()
-        try:
-            for nxt, step in model.actions(w):
-                result.transitions += 1
-                if nxt in parent:
-                    continue
-                broken = model.double_owner(nxt)
-                if broken is not None:
-                    bad = Step("model", "invariant", step.request, broken)
-                    steps, worlds = trace(w, step, nxt)
-                    result.violation, result.violation_kind = [*steps, bad], "double-owner"
-                    result.violation_states = [*worlds, nxt]
-                    result.states_explored = len(parent)
-                    return result
-                if len(parent) >= scenario.max_states:  # a new state past the bound: stop, no verdict
-                    result.complete = False
-                    result.states_explored = len(parent)
-                    return result
-                parent[nxt] = (w, step)
-                frontier.append(nxt)
-        except _Violation as v:
-            result.violation, result.violation_states = trace(w, v.step, w)  # a read moves no page
-            result.violation_kind = v.kind
-            result.states_explored = len(parent)
-            return result
-    result.states_explored = len(parent)
-    return result
+    try:
+        while frontier:
+            w = frontier.popleft()
+            try:
+                for nxt, step in model.actions(w):
+                    result.transitions += 1
+                    if nxt in parent:
+                        continue
+                    broken = model.double_owner(nxt)
+                    if broken is not None:
+                        bad = Step("model", "invariant", step.request, broken)
+                        steps, worlds = trace(w, step, nxt)
+                        result.violation, result.violation_kind = [*steps, bad], "double-owner"
+                        result.violation_states = [*worlds, nxt]
+                        return result
+                    if len(parent) >= scenario.max_states:  # a new state past the bound: no verdict
+                        result.complete = False
+                        return result
+                    parent[nxt] = (w, step)
+                    frontier.append(nxt)
+            except _Violation as v:
+                result.violation, result.violation_states = trace(w, v.step, w)  # a read moves no page
+                result.violation_kind = v.kind
+                return result
+        return result
+    finally:
+        result.states_explored = len(parent)  # however the search ended
 
 
 SINGLE_FIXES: tuple[str, ...] = (
