@@ -11,14 +11,18 @@ Writes ``kernels-<device>.json`` into the folder given. In order:
 2. decode attention for batch 1, 8, 64 x context 1k, 8k, 32k at a realistic head configuration
    (32 query heads, 8 kv heads, head_dim 128, float16, pages of 64 tokens: a Llama-3-8B-like
    layer), with time and achieved bandwidth = bytes of K/V read / time, against the chip's peak
-   (H200: 4.8 TB/s). Each row holds the Triton kernel (best of a small tile sweep), the
-   owner-check variant and its overhead, torch SDPA over the same K/V stored contiguously, and
-   FlashInfer's paged batch decode when it can be imported;
+   (the data sheet's HBM peak for the chip found, H200: 4.8 TB/s, H100 SXM: 3.35 TB/s; and what a
+   plain device-to-device copy achieves on it, measured first). Each row holds the Triton kernel
+   (best of a small tile sweep), the owner-check variant and its overhead, torch SDPA over the
+   same K/V stored contiguously, and FlashInfer's paged batch decode when it can be imported;
 3. the engine end to end: decode tokens/s of the shipped model through `ModelRunner` with
    attention torch and triton (bench/decode.py's paged path).
 
 Without CUDA (or with --cpu-smoke) every section runs at toy sizes, timed with perf_counter: it
 checks that the script and its JSON still work, not the numbers.
+
+The JSON ends with `goals`: the issue's two bars at batch 64 x context 8k (at least 80% of the
+HBM peak; within 1.2x of FlashInfer's time), each met, missed, or not measured.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import json
 import os
 import platform
 import random
+import re
 import sys
 import time
 import traceback
@@ -48,7 +53,21 @@ from minigrid_engine import attention, kernels  # kernels first sets TRITON_INTE
 from minigrid_engine.model import load_model
 from minigrid_engine.records import record_prompt
 
-H200_PEAK_GBPS = 4800.0
+# Nominal HBM bandwidth from the vendors' data sheets, by a pattern of torch.cuda.get_device_name():
+# the first match wins. "\bH200" leaves GH200 out (its HBM3 and HBM3e versions differ); a chip not
+# listed is compared with the copy bandwidth measured on it, or with --peak-gbps.
+HBM_PEAKS_GBPS: tuple[tuple[str, float], ...] = (
+    (r"\bH200\b", 4800.0),
+    (r"\bH100 NVL\b", 3900.0),
+    (r"\bH100 PCIe\b", 2000.0),
+    (r"\bH100\b", 3350.0),  # SXM: "NVIDIA H100 80GB HBM3"
+    (r"\bA100-SXM4-80GB\b", 2039.0),
+    (r"\bA100 80GB PCIe\b", 1935.0),
+    (r"\bA100\b", 1555.0),  # the 40 GB parts
+)
+GOAL_SHAPE = (64, 8192)  # batch x context where the issue sets its bars
+GOAL_FRACTION_OF_PEAK = 0.8
+GOAL_VS_FLASHINFER = 1.2
 
 
 @dataclass(frozen=True)
@@ -111,6 +130,42 @@ def time_ms(fn: Callable[[], object], device: torch.device) -> float:
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return min(times)
+
+
+def nominal_peak_gbps(device_name: str) -> float | None:
+    """The data sheet's HBM bandwidth of a chip, by its name; None for one not in the table."""
+    for pattern, gbps in HBM_PEAKS_GBPS:
+        if re.search(pattern, device_name):
+            return gbps
+    return None
+
+
+def copy_gbps(device: torch.device) -> float:
+    """What the memory achieves on the simplest stream: a device-to-device copy of 1 GiB (64 MiB
+    on CPU), bytes read + bytes written / time."""
+    n = 2**30 if device.type == "cuda" else 2**26
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device)
+    return round(2 * n / (ms * 1e-3) / 1e9, 1)
+
+
+def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's bars at GOAL_SHAPE, from the rows measured: met (True / False) or None."""
+    row = next((r for r in rows if (r["batch"], r["context"]) == GOAL_SHAPE and "triton_ms" in r), None)
+    fraction = row.get("triton_fraction_of_peak") if row else None
+    ratio = None
+    if row and row.get("flashinfer_ms"):
+        ratio = round(row["triton_ms"] / row["flashinfer_ms"], 3)
+    return {
+        "shape": {"batch": GOAL_SHAPE[0], "context": GOAL_SHAPE[1]},
+        "fraction_of_peak": fraction,
+        "fraction_of_peak_goal": GOAL_FRACTION_OF_PEAK,
+        "fraction_of_peak_met": None if fraction is None else fraction >= GOAL_FRACTION_OF_PEAK,
+        "time_vs_flashinfer": ratio,
+        "time_vs_flashinfer_goal": GOAL_VS_FLASHINFER,
+        "time_vs_flashinfer_met": None if ratio is None else ratio <= GOAL_VS_FLASHINFER,
+    }
 
 
 def _err(exc: BaseException) -> str:
@@ -223,7 +278,9 @@ def _gbps(batch: int, context: int, s: Shapes) -> Callable[[float], float]:
     return lambda ms: round(nbytes / (ms * 1e-3) / 1e9, 1)
 
 
-def decode_row(batch: int, context: int, s: Shapes, device: torch.device, peak_gbps: float) -> dict[str, Any]:
+def decode_row(
+    batch: int, context: int, s: Shapes, device: torch.device, peak_gbps: float, copy: float
+) -> dict[str, Any]:
     """The Triton kernel (tile sweep), its owner-check variant and torch SDPA at one shape."""
     q, k, v, table, lens = decode_inputs(batch, context, s, device)
     page, blocks = s.page_size, table.shape[1]
@@ -250,6 +307,7 @@ def decode_row(batch: int, context: int, s: Shapes, device: torch.device, peak_g
         triton_ms=best["ms"],
         triton_gbps=best["gbps"],
         triton_fraction_of_peak=round(best["gbps"] / peak_gbps, 3),
+        triton_fraction_of_copy=round(best["gbps"] / copy, 3),
         triton_best_tiles={"block_n": best["block_n"], "num_warps": best["num_warps"]},
         triton_splits=splits,
         triton_sweep=sweep,
@@ -356,7 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="results folder (created)")
     p.add_argument("--cpu-smoke", action="store_true", help="toy sizes (the default without CUDA)")
-    p.add_argument("--peak-gbps", type=float, default=H200_PEAK_GBPS, help="HBM peak to compare with")
+    p.add_argument(
+        "--peak-gbps",
+        type=float,
+        help="HBM peak to compare with (default: the data sheet's for the chip, else the measured copy)",
+    )
     p.add_argument("--batches", type=int, nargs="+", help="override the decode batches")
     p.add_argument("--contexts", type=int, nargs="+", help="override the decode contexts")
     p.add_argument("--skip-engine", action="store_true")
@@ -381,10 +443,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if "flashinfer_ms" in row else 1
     import triton
 
+    name = torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine()
+    copy = copy_gbps(device)
+    nominal = nominal_peak_gbps(name) if cuda else None
+    if a.peak_gbps is not None and a.peak_gbps <= 0:
+        p.error(f"--peak-gbps {a.peak_gbps:g} must be a positive bandwidth in GB/s")
+    peak = a.peak_gbps or nominal or copy
+    source = "--peak-gbps" if a.peak_gbps else "data sheet" if nominal else "measured copy"
+    print(f"{name}: peak {peak:,.0f} GB/s ({source}), device-to-device copy {copy:,.0f} GB/s", flush=True)
     result: dict[str, Any] = {
         "benchmark": "paged decode attention: Triton kernels vs torch SDPA (contiguous KV) vs FlashInfer",
         "mode": "gpu" if cuda else "cpu-smoke",
-        "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+        "device": name,
         "versions": {
             "torch": torch.__version__,
             "triton": triton.__version__,
@@ -392,9 +462,12 @@ def main(argv: list[str] | None = None) -> int:
             "cuda": torch.version.cuda,
         },
         "interpreted": kernels.interpreted(),
-        "peak_gbps": a.peak_gbps,
+        "peak_gbps": peak,
+        "peak_source": source,
+        "copy_gbps": copy,
         "shapes": {k: v for k, v in asdict(s).items() if k != "tiles"},
-        "bandwidth_note": "bytes = K and V of every request read once / kernel time; peak = HBM peak",
+        "bandwidth_note": "bytes = K and V of every request read once / kernel time; peak = HBM peak; "
+        "copy = (bytes read + written) / time of a 1 GiB device-to-device copy",
     }
     t0 = time.perf_counter()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -412,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in s.batches:
         for ctx in s.contexts:
             try:
-                row = decode_row(b, ctx, s, device, a.peak_gbps)
+                row = decode_row(b, ctx, s, device, peak, copy)
             except Exception as exc:
                 traceback.print_exc()
                 row = {"batch": b, "context": ctx, "error": _err(exc)}
@@ -443,7 +516,16 @@ def main(argv: list[str] | None = None) -> int:
             if cuda:
                 torch.cuda.empty_cache()
             save()
+    result["goals"] = g = goals(rows)
     save()
+    verdict = {True: "met", False: "MISSED", None: "not measured"}
+    print(
+        f"goals at batch {GOAL_SHAPE[0]} x context {GOAL_SHAPE[1]}: "
+        f"{g['fraction_of_peak']} of peak (goal {GOAL_FRACTION_OF_PEAK}: "
+        f"{verdict[g['fraction_of_peak_met']]}), "
+        f"{g['time_vs_flashinfer']}x FlashInfer's time (goal {GOAL_VS_FLASHINFER}: "
+        f"{verdict[g['time_vs_flashinfer_met']]})"
+    )
     print(f"wrote {path}")
     return 0 if result["correctness"]["ok"] else 1
 

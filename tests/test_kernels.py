@@ -274,6 +274,48 @@ def test_kernel_bench_runs_in_its_cpu_form(tmp_path: Path) -> None:
         assert row["torch_sdpa_max_diff"] < 1e-4
     assert [(row["batch"], row["context"]) for row in r["decode"]] == [(1, 100), (2, 100)]
     assert all(row["identical_tokens"] and row["triton_tokens_per_s"] > 0 for row in r["engine"])
+    assert r["copy_gbps"] > 0 and r["peak_source"] == "measured copy" and r["peak_gbps"] == r["copy_gbps"]
+    for row in r["decode"]:  # the interpreter is slow: a fraction this small rounds to 0 here
+        assert row["triton_fraction_of_copy"] == round(row["triton_gbps"] / r["copy_gbps"], 3)
+    assert r["goals"]["fraction_of_peak_met"] is None  # no batch 64 x 8k row at toy sizes
+    assert "goals at batch 64 x context 8192" in proc.stdout and "not measured" in proc.stdout
+
+
+def _bench_kernels():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernel_bench_knows_each_chips_peak_and_judges_the_goals() -> None:
+    bench = _bench_kernels()
+    peaks = {
+        "NVIDIA H200": 4800.0,
+        "NVIDIA H100 80GB HBM3": 3350.0,
+        "NVIDIA H100 PCIe": 2000.0,
+        "NVIDIA H100 NVL": 3900.0,
+        "NVIDIA A100-SXM4-80GB": 2039.0,
+        "NVIDIA A100-SXM4-40GB": 1555.0,
+        "NVIDIA GH200 480GB": None,  # not the H200: its own HBM, compared with the measured copy
+        "NVIDIA L4": None,
+    }
+    assert {name: bench.nominal_peak_gbps(name) for name in peaks} == peaks
+    row = {"batch": 64, "context": 8192, "triton_ms": 1.1, "triton_fraction_of_peak": 0.83}
+    other = {"batch": 8, "context": 8192, "triton_ms": 9.0, "triton_fraction_of_peak": 0.1}
+    g = bench.goals([other, row])
+    assert g["fraction_of_peak"] == 0.83 and g["fraction_of_peak_met"] is True
+    assert g["time_vs_flashinfer"] is None and g["time_vs_flashinfer_met"] is None  # no FlashInfer
+    g = bench.goals([{**row, "flashinfer_ms": 0.8, "triton_fraction_of_peak": 0.7}])
+    assert g["time_vs_flashinfer"] == 1.375 and g["time_vs_flashinfer_met"] is False
+    assert g["fraction_of_peak_met"] is False
+    assert (
+        bench.goals([{"batch": 64, "context": 8192, "error": "OutOfMemoryError"}])["fraction_of_peak"] is None
+    )
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the in-process cluster keeps its pools on the CPU")
