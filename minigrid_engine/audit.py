@@ -1,19 +1,38 @@
-"""`minigrid audit --url URL`: does every KV pool of the *running* engine cover its context length?
+"""`minigrid audit --url URL [--url URL ...]`: does every KV pool of the *running* deployment cover
+the context length it advertises?
 
-The operator's check of INCIDENT.md's first question, made from the engine's own `/metrics`
-rather than from a configuration file that may not be what is deployed.
-Exit status: 0 every pool covers the context, 1 one does not, 2 the engine could not be read.
+The operator's check of INCIDENT.md's first question, made from what the servers themselves
+export rather than from a configuration file that may not be what is deployed. It reads:
+
+- a minigrid engine: `minigrid_kv_pool_capacity_tokens{role}` and `minigrid_context_length_tokens`
+  on `/metrics`;
+- an SGLang server: the `sglang:max_total_num_tokens` and `sglang:context_len` gauges on `/metrics`
+  (exported with `--enable-metrics`, one sample per rank, labelled with `engine_type` unified,
+  prefill or decode), else `max_total_num_tokens`, `context_length` and `disaggregation_mode` from
+  `/server_info` (`/get_server_info` before SGLang 0.5), the context falling back to
+  `/v1/models`' `max_model_len`.
+
+A disaggregated SGLang deployment has one server per role: give each with its own `--url`. Every pool
+is held to the longest context any of them advertises (or `--context-length`), because a prompt the
+prefill side accepts must also fit the decode pool it is sent to. Where a role runs on several
+ranks, its pool is the smallest rank's: a request may land on any of them.
+
+Exit status: 0 every pool covers the context, 1 one does not, 2 a server could not be read.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from minigrid_engine.errors import MinigridError
+
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 
 
 @dataclass(frozen=True)
@@ -21,6 +40,7 @@ class PoolFinding:
     role: str
     capacity_tokens: int
     context_length: int
+    source: str = ""  # where the capacity was read: "http://h:8000/metrics (minigrid)"
 
     @property
     def covers(self) -> bool:
@@ -32,10 +52,25 @@ class PoolFinding:
 
 
 @dataclass(frozen=True)
-class AuditReport:
+class ServerReading:
+    """What one server states about itself: its pools by role and the context it advertises."""
+
     url: str
+    source: str
+    pools: dict[str, int]
+    context_length: int | None
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    urls: tuple[str, ...]
     context_length: int
     pools: list[PoolFinding]
+    advertised: dict[str, int | None]  # each server's own context length, by URL
+
+    @property
+    def url(self) -> str:
+        return ", ".join(self.urls)
 
     @property
     def ok(self) -> bool:
@@ -45,8 +80,10 @@ class AuditReport:
         return json.dumps(
             {
                 "url": self.url,
+                "urls": list(self.urls),
                 "ok": self.ok,
                 "context_length_tokens": self.context_length,
+                "advertised_context_length_tokens": self.advertised,
                 "pools": [
                     asdict(p) | {"covers": p.covers, "shortfall_tokens": p.shortfall_tokens}
                     for p in self.pools
@@ -57,9 +94,14 @@ class AuditReport:
 
     def text(self) -> str:
         lines = [f"minigrid audit {self.url}: context length {self.context_length} tokens"]
+        if len({c for c in self.advertised.values() if c is not None}) > 1:
+            stated = ", ".join(f"{u} {c}" for u, c in self.advertised.items())
+            lines.append(f"  the servers advertise different context lengths ({stated}): the largest applies")
+        show_source = len(self.urls) > 1 or any(not p.source.endswith("(minigrid)") for p in self.pools)
         for p in self.pools:
             verdict = "ok" if p.covers else f"TOO SMALL by {p.shortfall_tokens} tokens"
-            lines.append(f"  {p.role:8s} KV pool {p.capacity_tokens:>9,} tokens  {verdict}")
+            where = f"  [{p.source}]" if show_source else ""
+            lines.append(f"  {p.role:8s} KV pool {p.capacity_tokens:>9,} tokens  {verdict}{where}")
         if self.ok:
             lines.append("PASS: every KV pool holds a full-context prompt")
         else:
@@ -76,6 +118,7 @@ class AuditReport:
 
 
 def parse_metrics(text: str) -> tuple[int | None, dict[str, int]]:
+    """A minigrid engine's context length and pool capacities by role, from its Prometheus text."""
     context: int | None = None
     pools: dict[str, int] = {}
     for fam in text_string_to_metric_families(text):
@@ -87,26 +130,154 @@ def parse_metrics(text: str) -> tuple[int | None, dict[str, int]]:
     return context, pools
 
 
-def audit(url: str, timeout_s: float = 10) -> AuditReport:
-    base = url.rstrip("/")
-    target = base if base.endswith("/metrics") else base + "/metrics"
-    try:
-        r = httpx.get(target, timeout=timeout_s)
-    except httpx.InvalidURL as exc:
-        raise MinigridError(f"{url!r} is not a URL the audit can read: {exc}") from None
-    except httpx.HTTPError as exc:
-        raise MinigridError(f"cannot read {target}: {exc}") from None
-    if r.status_code != 200:
-        raise MinigridError(f"{target} answered HTTP {r.status_code}")
-    try:
-        context, pools = parse_metrics(r.text)
-    except ValueError as exc:
-        raise MinigridError(f"{target} is not Prometheus text: {exc}") from None
-    if context is None or not pools:
+def parse_sglang_metrics(text: str, default_role: str = "unified") -> tuple[int | None, dict[str, int]]:
+    """SGLang's gauges: the smallest rank's pool per `engine_type`, the largest context advertised."""
+    contexts: list[int] = []
+    pools: dict[str, int] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "sglang:context_len":
+                contexts.append(int(s.value))
+            elif s.name == "sglang:max_total_num_tokens":
+                role = s.labels.get("engine_type") or default_role
+                pools[role] = min(pools.get(role, int(s.value)), int(s.value))
+    return (max(contexts) if contexts else None), pools
+
+
+def _whole(value: Any) -> int | None:
+    """A positive whole number from JSON, else None (null, "n/a", true, 0 all mean: not stated)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        return None
+    return int(value)
+
+
+def _smallest(values: Iterable[Any]) -> int | None:
+    found = [v for v in map(_whole, values) if v is not None]
+    return min(found) if found else None
+
+
+def parse_sglang_server_info(info: dict[str, Any]) -> tuple[int | None, dict[str, int]]:
+    """SGLang's `/server_info`: the pool (top level, else the smallest rank's) and the context length."""
+    states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)]
+    capacity = _whole(info.get("max_total_num_tokens"))
+    if capacity is None:
+        capacity = _smallest(s.get("max_total_num_tokens") for s in states)
+    if capacity is None:
+        capacity = _smallest((s.get("memory_usage") or {}).get("token_capacity") for s in states)
+    context = _whole(info.get("context_length"))
+    if context is None:
+        context = _smallest(s.get("context_length") for s in states)
+    mode = info.get("disaggregation_mode")
+    role = mode if mode in ("prefill", "decode") else "unified"
+    return context, ({role: capacity} if capacity is not None else {})
+
+
+class _Reader:
+    """GETs against one server, every failure turned into a MinigridError that names the address."""
+
+    def __init__(self, client: httpx.Client, base: str) -> None:
+        self.client, self.base = client, base
+
+    def get(self, path: str) -> httpx.Response:
+        target = self.base + path
+        try:
+            r = self.client.get(target)
+        except httpx.InvalidURL as exc:
+            raise MinigridError(f"{self.base!r} is not a URL the audit can read: {exc}") from None
+        except httpx.HTTPError as exc:
+            raise MinigridError(f"cannot read {target}: {exc}") from None
+        if r.status_code in (401, 403):
+            raise MinigridError(
+                f"{target} answered HTTP {r.status_code}: give the server's key with --api-key"
+            )
+        return r
+
+    def json(self, path: str) -> dict[str, Any] | None:
+        r = self.get(path)
+        if r.status_code != 200:
+            return None
+        try:
+            body = r.json()
+        except ValueError:
+            return None
+        return body if isinstance(body, dict) else None
+
+    def model_context(self) -> int | None:
+        """The largest `max_model_len` `/v1/models` lists (SGLang and vLLM both state it there)."""
+        body = self.json("/v1/models")
+        models = body.get("data") if body else None
+        if not isinstance(models, list):
+            return None
+        found = [_whole(m.get("max_model_len")) for m in models if isinstance(m, dict)]
+        return max((c for c in found if c is not None), default=None)
+
+
+def read_server(client: httpx.Client, url: str) -> ServerReading:
+    """One server's pools and context: minigrid's metrics, SGLang's metrics, else SGLang's JSON."""
+    base = url.rstrip("/").removesuffix("/metrics").rstrip("/")
+    reader = _Reader(client, base)
+    r = reader.get("/metrics")
+    why = f"/metrics answered HTTP {r.status_code}"
+    if r.status_code == 200:
+        try:
+            context, pools = parse_metrics(r.text)
+            if pools:
+                if context is None:
+                    raise MinigridError(
+                        f"{base}/metrics has minigrid_kv_pool_capacity_tokens but no "
+                        "minigrid_context_length_tokens"
+                    )
+                return ServerReading(base, f"{base}/metrics (minigrid)", pools, context)
+            context, pools = parse_sglang_metrics(r.text)
+        except ValueError as exc:
+            why = f"/metrics is not Prometheus text ({exc})"
+        else:
+            if pools:
+                return ServerReading(
+                    base, f"{base}/metrics (sglang)", pools, context or reader.model_context()
+                )
+            why = "/metrics has neither minigrid_kv_pool_capacity_tokens nor sglang:max_total_num_tokens"
+    for path in SERVER_INFO_PATHS:
+        info = reader.json(path)
+        if info is None:
+            continue
+        context, pools = parse_sglang_server_info(info)
+        if pools:
+            return ServerReading(base, f"{base}{path} (sglang)", pools, context or reader.model_context())
+    raise MinigridError(
+        f"{base}: {why}, and neither {' nor '.join(SERVER_INFO_PATHS)} states max_total_num_tokens: "
+        "is this a minigrid engine or an SGLang server? (SGLang exports /metrics with --enable-metrics)"
+    )
+
+
+def audit(
+    urls: str | Sequence[str],
+    timeout_s: float = 10,
+    *,
+    api_key: str | None = None,
+    context_length: int | None = None,
+) -> AuditReport:
+    """Read each server and hold every pool to the deployment's context length.
+
+    `context_length` overrides what the servers advertise: the longest prompt the deployment's front
+    door accepts, when that is set elsewhere (a gateway, a router's own limit).
+    """
+    urls = (urls,) if isinstance(urls, str) else tuple(urls)
+    if not urls:
+        raise MinigridError("give at least one --url to audit")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=timeout_s, headers=headers) as client:
+        readings = [read_server(client, u) for u in urls]
+    stated = [r.context_length for r in readings if r.context_length is not None]
+    context = context_length or (max(stated) if stated else None)
+    if context is None:
         raise MinigridError(
-            f"{target} has no minigrid_context_length_tokens or minigrid_kv_pool_capacity_tokens: "
-            "is this a minigrid engine?"
+            f"{', '.join(r.url for r in readings)} state their KV pools but not their context length: "
+            "give the longest prompt the deployment accepts with --context-length N"
         )
+    pools = [
+        PoolFinding(role, cap, context, r.source) for r in readings for role, cap in sorted(r.pools.items())
+    ]
     return AuditReport(
-        base, context, [PoolFinding(role, cap, context) for role, cap in sorted(pools.items())]
+        tuple(r.url for r in readings), context, pools, {r.url: r.context_length for r in readings}
     )

@@ -304,7 +304,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     from minigrid_engine.audit import audit
 
-    report = audit(args.url, args.timeout)
+    api_key = args.api_key or os.environ.get("MINIGRID_AUDIT_API_KEY") or None
+    report = audit(args.url, args.timeout, api_key=api_key, context_length=args.context_length)
     print(report.to_json() if args.json else report.text())
     return 0 if report.ok else 1
 
@@ -530,12 +531,29 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=cmd_worker)
 
     au = sub.add_parser(
-        "audit", help="check from a running engine's /metrics that its pools cover the context"
+        "audit",
+        help="check from running servers (minigrid or SGLang) that every KV pool covers the context",
     )
-    au.add_argument("--url", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8000")
+    au.add_argument(
+        "--url",
+        required=True,
+        action="append",
+        help="a server's base URL, e.g. http://127.0.0.1:8000; repeat it for each server of a "
+        "disaggregated deployment (its prefill and its decode servers)",
+    )
     au.add_argument("--json", action="store_true", help="the verdict as JSON")
     au.add_argument(
-        "--timeout", type=positive_seconds, default=10.0, help="seconds to wait for /metrics (10)"
+        "--timeout", type=positive_seconds, default=10.0, help="seconds to wait for each answer (10)"
+    )
+    au.add_argument(
+        "--api-key",
+        help="sent as a Bearer token, for servers started with --api-key (default: $MINIGRID_AUDIT_API_KEY)",
+    )
+    au.add_argument(
+        "--context-length",
+        type=positive_int,
+        help="the longest prompt the deployment accepts, when it is set in front of the servers "
+        "(default: the largest context length the servers advertise)",
     )
     au.set_defaults(func=cmd_audit)
 

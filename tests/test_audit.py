@@ -1,0 +1,215 @@
+"""`minigrid audit` against SGLang servers: their gauges, their /server_info, several URLs at once.
+
+Each fake server below answers what an SGLang server of that kind exports; the minigrid engine's own
+metrics are audited in test_disaggregated.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from cli_run import minigrid
+
+from minigrid_engine.audit import audit, parse_sglang_metrics, parse_sglang_server_info
+from minigrid_engine.errors import MinigridError
+
+Route = tuple[int, str]  # status, body (JSON when it starts with { or [)
+
+
+class FakeServer:
+    """A local HTTP server answering fixed routes; every other path is a 404 JSON error."""
+
+    def __init__(self, routes: dict[str, Route], key: str | None = None) -> None:
+        self.routes, self.key = routes, key
+        self.authorizations: list[str | None] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer.authorizations.append(self.headers.get("Authorization"))
+                if outer.key and self.headers.get("Authorization") != f"Bearer {outer.key}":
+                    status, body = 401, '{"error": "Invalid API Key"}'
+                else:
+                    status, body = outer.routes.get(self.path, (404, '{"detail": "Not Found"}'))
+                data = body.encode()
+                kind = "application/json" if body[:1] in "{[" else "text/plain; version=0.0.4"
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def serve() -> Iterator[Any]:
+    started: list[FakeServer] = []
+
+    def start(routes: dict[str, Route], key: str | None = None) -> FakeServer:
+        started.append(FakeServer(routes, key))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.close()
+
+
+def sglang_metrics(engine_type: str, capacity_by_rank: list[int], context: int) -> Route:
+    """SGLang's /metrics: one gauge sample per tensor-parallel rank, as it exports them."""
+    lines = [
+        "# HELP sglang:max_total_num_tokens Maximum total number of tokens in the KV cache pool.",
+        "# TYPE sglang:max_total_num_tokens gauge",
+    ]
+    labels = 'engine_type="{}",model_name="glm",pp_rank="0",tp_rank="{}"'
+    lines += [
+        f"sglang:max_total_num_tokens{{{labels.format(engine_type, r)}}} {float(c)}"
+        for r, c in enumerate(capacity_by_rank)
+    ]
+    lines += ["# HELP sglang:context_len The context length.", "# TYPE sglang:context_len gauge"]
+    lines += [
+        f"sglang:context_len{{{labels.format(engine_type, r)}}} {float(context)}"
+        for r in range(len(capacity_by_rank))
+    ]
+    lines += [
+        "# HELP sglang:num_running_reqs The number of running requests.",
+        "# TYPE sglang:num_running_reqs gauge",
+        f"sglang:num_running_reqs{{{labels.format(engine_type, 0)}}} 3.0",
+    ]
+    return 200, "\n".join(lines) + "\n"
+
+
+def test_the_incidents_deployment_fails_on_its_prefill_pool(serve: Any) -> None:
+    """Two servers, as disaggregated SGLang runs: the prefill pool is short, the decode pool is not."""
+    prefill = serve({"/metrics": sglang_metrics("prefill", [681_280, 681_280], 1_048_576)})
+    decode = serve({"/metrics": sglang_metrics("decode", [2_100_000, 2_050_000], 1_048_576)})
+    proc = minigrid("audit", "--url", prefill.url, "--url", decode.url, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "context length 1048576 tokens" in proc.stdout
+    assert "the prefill pool holds 681280 tokens < context length 1048576" in proc.stdout
+    assert "decode" in proc.stdout and "2,050,000 tokens  ok" in proc.stdout  # the smaller rank
+    report = json.loads(minigrid("audit", "--url", prefill.url, "--url", decode.url, "--json").stdout)
+    assert report["ok"] is False and report["urls"] == [prefill.url, decode.url]
+    by_role = {p["role"]: p for p in report["pools"]}
+    assert by_role["prefill"]["shortfall_tokens"] == 1_048_576 - 681_280
+    assert by_role["prefill"]["source"] == f"{prefill.url}/metrics (sglang)"
+    assert by_role["decode"]["covers"] is True
+
+
+def test_a_pool_is_its_smallest_rank(serve: Any) -> None:
+    one_rank_short = serve({"/metrics": sglang_metrics("unified", [40_000, 30_000], 32_768)})
+    report = audit(one_rank_short.url)
+    assert not report.ok
+    [pool] = report.pools
+    assert (pool.role, pool.capacity_tokens, pool.shortfall_tokens) == ("unified", 30_000, 2_768)
+
+
+def test_every_pool_is_held_to_the_longest_advertised_context(serve: Any) -> None:
+    """The prefill side accepts 131,072 tokens; the decode pool must hold that, whatever decode says."""
+    prefill = serve({"/metrics": sglang_metrics("prefill", [200_000], 131_072)})
+    decode = serve({"/metrics": sglang_metrics("decode", [100_000], 65_536)})
+    report = audit([prefill.url, decode.url])
+    assert report.context_length == 131_072
+    assert [(p.role, p.covers) for p in report.pools] == [("prefill", True), ("decode", False)]
+    text = report.text()
+    assert "advertise different context lengths" in text
+    assert "the decode pool holds 100000 tokens < context length 131072" in text
+
+
+def test_without_metrics_the_audit_reads_server_info(serve: Any) -> None:
+    """SGLang without --enable-metrics: /metrics is a 404, the pool is in /get_server_info (older
+    releases) and the context, left null in the server arguments, in /v1/models."""
+    info = {
+        "context_length": None,
+        "disaggregation_mode": "decode",
+        "internal_states": [{"max_total_num_tokens": 300_000}, {"max_total_num_tokens": 290_000}],
+    }
+    models = {"object": "list", "data": [{"id": "glm", "object": "model", "max_model_len": 262_144}]}
+    server = serve({"/get_server_info": (200, json.dumps(info)), "/v1/models": (200, json.dumps(models))})
+    report = audit(server.url + "/")
+    [pool] = report.pools
+    assert (pool.role, pool.capacity_tokens, pool.context_length) == ("decode", 290_000, 262_144)
+    assert pool.source == f"{server.url}/get_server_info (sglang)"
+    assert report.ok
+    proc = minigrid("audit", "--url", server.url, timeout=60)
+    assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_key_protected_server_asks_for_the_key(serve: Any) -> None:
+    server = serve({"/metrics": sglang_metrics("unified", [500_000], 131_072)}, key="sk-ops-1234")
+    proc = minigrid("audit", "--url", server.url, timeout=60)
+    assert proc.returncode == 2 and "answered HTTP 401: give the server's key with --api-key" in proc.stderr
+    proc = minigrid("audit", "--url", server.url, "--api-key", "sk-ops-1234", timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert server.authorizations[-1] == "Bearer sk-ops-1234"
+
+
+def test_no_context_anywhere_asks_for_it(serve: Any) -> None:
+    server = serve({"/server_info": (200, json.dumps({"max_total_num_tokens": 681_280}))})
+    with pytest.raises(
+        MinigridError, match="give the longest prompt the deployment accepts with --context-length"
+    ):
+        audit(server.url)
+    assert not audit(server.url, context_length=1_048_576).ok
+    proc = minigrid("audit", "--url", server.url, "--context-length", "600000", timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_server_that_is_neither_says_so(serve: Any) -> None:
+    server = serve(
+        {"/metrics": (200, "# HELP up Up.\n# TYPE up gauge\nup 1.0\n"), "/": (200, "<html></html>")}
+    )
+    proc = minigrid("audit", "--url", server.url, timeout=60)
+    assert proc.returncode == 2, proc.stdout
+    assert "is this a minigrid engine or an SGLang server?" in proc.stderr
+    assert (
+        "/metrics has neither minigrid_kv_pool_capacity_tokens nor sglang:max_total_num_tokens" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
+
+
+def test_one_unreachable_server_fails_the_whole_audit(serve: Any) -> None:
+    good = serve({"/metrics": sglang_metrics("prefill", [2_000_000], 1_048_576)})
+    proc = minigrid("audit", "--url", good.url, "--url", "http://127.0.0.1:9", timeout=60)
+    assert proc.returncode == 2 and "cannot read http://127.0.0.1:9/metrics" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("info", "expected"),
+    [
+        ({"max_total_num_tokens": 4096, "context_length": 2048}, (2048, {"unified": 4096})),
+        ({"max_total_num_tokens": 4096, "disaggregation_mode": "null"}, (None, {"unified": 4096})),
+        ({"max_total_num_tokens": True, "context_length": "n/a"}, (None, {})),
+        (
+            {"internal_states": [{"memory_usage": {"token_capacity": 270_336}}] * 2},
+            (None, {"unified": 270_336}),
+        ),
+        ({"max_total_num_tokens": 0, "internal_states": "broken"}, (None, {})),
+        ({"max_total_num_tokens": 8192, "disaggregation_mode": "prefill"}, (None, {"prefill": 8192})),
+    ],
+)
+def test_server_info_fields(info: dict[str, Any], expected: tuple[int | None, dict[str, int]]) -> None:
+    assert parse_sglang_server_info(info) == expected
+
+
+def test_sglang_gauges_without_an_engine_type_label() -> None:
+    """Older releases export no engine_type: the pool is one unified pool."""
+    text = (
+        'sglang:max_total_num_tokens{model_name="m",tp_rank="0"} 1000.0\n'
+        'sglang:context_len{model_name="m"} 800.0\n'
+    )
+    assert parse_sglang_metrics(text) == (800, {"unified": 1000})
