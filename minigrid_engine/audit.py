@@ -17,22 +17,29 @@ is held to the longest context any of them advertises (or `--context-length`), b
 prefill side accepts must also fit the decode pool it is sent to. Where a role runs on several
 ranks, its pool is the smallest rank's: a request may land on any of them.
 
-Exit status: 0 every pool covers the context, 1 one does not, 2 a server could not be read.
+It also answers INCIDENT.md's fifth question for what it reads: an SGLang server in prefill or
+decode mode older than 0.5.22, the release that completes the upstream fixes, fails the audit.
+
+Exit status: 0 every pool covers the context and no disaggregated server runs a release before the
+fixes, 1 otherwise, 2 a server could not be read.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
+from packaging.version import InvalidVersion, Version
 from prometheus_client.parser import text_string_to_metric_families
 
 from minigrid_engine.errors import MinigridError
 
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+FIXED_SGLANG = Version("0.5.22")  # INCIDENT.md: operators of disaggregated SGLang should run it or later
+DISAGGREGATED_ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,34 @@ class ServerReading:
     source: str
     pools: dict[str, int]
     context_length: int | None
+    engine: str = "minigrid"  # or "sglang"
+    version: str | None = None  # the release the server states, when it states one
+
+
+@dataclass(frozen=True)
+class VersionFinding:
+    """An SGLang server in a disaggregated role, and whether its release has the upstream fixes."""
+
+    url: str
+    role: str
+    version: str | None
+
+    @property
+    def fixed(self) -> bool | None:
+        """True from 0.5.22 on (its pre-releases are before it), False before, None when not stated."""
+        if self.version is None:
+            return None
+        try:
+            return Version(self.version) >= FIXED_SGLANG
+        except InvalidVersion:
+            return None
+
+    def text(self) -> str:
+        if self.fixed is None:
+            said = "states no version" if self.version is None else f"states version {self.version!r}"
+            return f"  {self.role:8s} SGLang at {self.url} {said}: check it runs {FIXED_SGLANG} or later"
+        verdict = "ok" if self.fixed else f"BEFORE {FIXED_SGLANG}, the release with every disaggregated fix"
+        return f"  {self.role:8s} SGLang {self.version} at {self.url}  {verdict}"
 
 
 @dataclass(frozen=True)
@@ -67,6 +102,7 @@ class AuditReport:
     context_length: int
     pools: list[PoolFinding]
     advertised: dict[str, int | None]  # each server's own context length, by URL
+    versions: list[VersionFinding] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -74,7 +110,8 @@ class AuditReport:
 
     @property
     def ok(self) -> bool:
-        return bool(self.pools) and all(p.covers for p in self.pools)
+        pools_ok = bool(self.pools) and all(p.covers for p in self.pools)
+        return pools_ok and not any(v.fixed is False for v in self.versions)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -88,6 +125,9 @@ class AuditReport:
                     asdict(p) | {"covers": p.covers, "shortfall_tokens": p.shortfall_tokens}
                     for p in self.pools
                 ],
+                "sglang_versions": [
+                    asdict(v) | {"fixed": v.fixed, "fixed_from": str(FIXED_SGLANG)} for v in self.versions
+                ],
             },
             indent=2,
         )
@@ -99,21 +139,30 @@ class AuditReport:
             lines.append(f"  the servers advertise different context lengths ({stated}): the largest applies")
         show_source = len(self.urls) > 1 or any(not p.source.endswith("(minigrid)") for p in self.pools)
         for p in self.pools:
-            verdict = "ok" if p.covers else f"TOO SMALL by {p.shortfall_tokens} tokens"
+            verdict = "ok" if p.covers else f"TOO SMALL by {p.shortfall_tokens:,} tokens"
             where = f"  [{p.source}]" if show_source else ""
             lines.append(f"  {p.role:8s} KV pool {p.capacity_tokens:>9,} tokens  {verdict}{where}")
+        lines += [v.text() for v in self.versions]
         if self.ok:
             lines.append("PASS: every KV pool holds a full-context prompt")
-        else:
-            short = [p for p in self.pools if not p.covers]
-            lines.append(
-                "FAIL: "
-                + "; ".join(
+            return "\n".join(lines)
+        faults = []
+        short = [p for p in self.pools if not p.covers]
+        if short:
+            faults.append(
+                "; ".join(
                     f"the {p.role} pool holds {p.capacity_tokens} tokens < context length {p.context_length}"
                     for p in short
                 )
                 + ": prompts longer than the pool can be accepted but cannot be prefilled"
             )
+        old = [v for v in self.versions if v.fixed is False]
+        if old:
+            faults.append(
+                "; ".join(f"the {v.role} server runs SGLang {v.version}" for v in old)
+                + f": disaggregated SGLang should run {FIXED_SGLANG} or later"
+            )
+        lines.append("FAIL: " + "; ".join(faults))
         return "\n".join(lines)
 
 
@@ -212,6 +261,31 @@ class _Reader:
         return max((c for c in found if c is not None), default=None)
 
 
+def _server_info(reader: _Reader) -> tuple[str, dict[str, Any]] | None:
+    for path in SERVER_INFO_PATHS:
+        info = reader.json(path)
+        if info is not None:
+            return path, info
+    return None
+
+
+def _sglang_reading(
+    reader: _Reader, source: str, pools: dict[str, int], context: int | None, info: dict[str, Any] | None
+) -> ServerReading:
+    """An SGLang server's reading, its context and version completed from /server_info and /v1/models."""
+    if context is None and info is not None:
+        context = parse_sglang_server_info(info)[0]
+    version = info.get("version") if info is not None else None
+    return ServerReading(
+        reader.base,
+        source,
+        pools,
+        context or reader.model_context(),
+        engine="sglang",
+        version=version if isinstance(version, str) and version else None,
+    )
+
+
 def read_server(client: httpx.Client, url: str) -> ServerReading:
     """One server's pools and context: minigrid's metrics, SGLang's metrics, else SGLang's JSON."""
     base = url.rstrip("/").removesuffix("/metrics").rstrip("/")
@@ -233,17 +307,16 @@ def read_server(client: httpx.Client, url: str) -> ServerReading:
             why = f"/metrics is not Prometheus text ({exc})"
         else:
             if pools:
-                return ServerReading(
-                    base, f"{base}/metrics (sglang)", pools, context or reader.model_context()
-                )
+                found = _server_info(reader)
+                info = found[1] if found else None
+                return _sglang_reading(reader, f"{base}/metrics (sglang)", pools, context, info)
             why = "/metrics has neither minigrid_kv_pool_capacity_tokens nor sglang:max_total_num_tokens"
-    for path in SERVER_INFO_PATHS:
-        info = reader.json(path)
-        if info is None:
-            continue
+    found = _server_info(reader)
+    if found is not None:
+        path, info = found
         context, pools = parse_sglang_server_info(info)
         if pools:
-            return ServerReading(base, f"{base}{path} (sglang)", pools, context or reader.model_context())
+            return _sglang_reading(reader, f"{base}{path} (sglang)", pools, context, info)
     raise MinigridError(
         f"{base}: {why}, and neither {' nor '.join(SERVER_INFO_PATHS)} states max_total_num_tokens: "
         "is this a minigrid engine or an SGLang server? (SGLang exports /metrics with --enable-metrics)"
@@ -278,6 +351,17 @@ def audit(
     pools = [
         PoolFinding(role, cap, context, r.source) for r in readings for role, cap in sorted(r.pools.items())
     ]
+    versions = [
+        VersionFinding(r.url, role, r.version)
+        for r in readings
+        if r.engine == "sglang"
+        for role in sorted(r.pools)
+        if role in DISAGGREGATED_ROLES
+    ]
     return AuditReport(
-        tuple(r.url for r in readings), context, pools, {r.url: r.context_length for r in readings}
+        tuple(r.url for r in readings),
+        context,
+        pools,
+        {r.url: r.context_length for r in readings},
+        versions,
     )

@@ -15,7 +15,12 @@ from typing import Any
 import pytest
 from cli_run import minigrid
 
-from minigrid_engine.audit import audit, parse_sglang_metrics, parse_sglang_server_info
+from minigrid_engine.audit import (
+    VersionFinding,
+    audit,
+    parse_sglang_metrics,
+    parse_sglang_server_info,
+)
 from minigrid_engine.errors import MinigridError
 
 Route = tuple[int, str]  # status, body (JSON when it starts with { or [)
@@ -186,6 +191,46 @@ def test_one_unreachable_server_fails_the_whole_audit(serve: Any) -> None:
     good = serve({"/metrics": sglang_metrics("prefill", [2_000_000], 1_048_576)})
     proc = minigrid("audit", "--url", good.url, "--url", "http://127.0.0.1:9", timeout=60)
     assert proc.returncode == 2 and "cannot read http://127.0.0.1:9/metrics" in proc.stderr
+
+
+def test_disaggregated_sglang_before_the_fixes_fails(serve: Any) -> None:
+    """INCIDENT.md's fifth question, from the servers: the pools fit, but prefill runs 0.5.19."""
+    info = {"version": "0.5.19", "max_total_num_tokens": 2_040_000, "disaggregation_mode": "prefill"}
+    prefill = serve(
+        {
+            "/metrics": sglang_metrics("prefill", [2_040_000], 1_048_576),
+            "/server_info": (200, json.dumps(info)),
+        }
+    )
+    decode_info = {"version": "0.5.22.post1", "disaggregation_mode": "decode", "context_length": 1_048_576}
+    decode = serve({"/get_server_info": (200, json.dumps(decode_info | {"max_total_num_tokens": 2_100_000}))})
+    proc = minigrid("audit", "--url", prefill.url, "--url", decode.url, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert (
+        "the prefill server runs SGLang 0.5.19: disaggregated SGLang should run 0.5.22 or later"
+        in proc.stdout
+    )
+    assert f"SGLang 0.5.22.post1 at {decode.url}  ok" in proc.stdout
+    assert "pool holds" not in proc.stdout  # both pools cover the context: only the release fails
+    report = json.loads(minigrid("audit", "--url", prefill.url, "--url", decode.url, "--json").stdout)
+    assert [(v["role"], v["fixed"]) for v in report["sglang_versions"]] == [
+        ("prefill", False),
+        ("decode", True),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("version", "fixed"),
+    [("0.5.22", True), ("0.5.23rc1", True), ("0.5.22rc0", False), ("0.5.21.post2", False), ("dev", None)],
+)
+def test_release_verdicts(version: str, fixed: bool | None) -> None:
+    assert VersionFinding("http://x", "decode", version).fixed is fixed
+
+
+def test_a_unified_server_is_not_judged_by_release(serve: Any) -> None:
+    info = {"version": "0.5.10", "max_total_num_tokens": 500_000, "context_length": 131_072}
+    report = audit(serve({"/server_info": (200, json.dumps(info))}).url)
+    assert report.ok and report.versions == []
 
 
 @pytest.mark.parametrize(
