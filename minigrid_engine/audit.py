@@ -319,7 +319,8 @@ def read_server(client: httpx.Client, url: str) -> ServerReading:
             return _sglang_reading(reader, f"{base}{path} (sglang)", pools, context, info)
     raise MinigridError(
         f"{base}: {why}, and neither {' nor '.join(SERVER_INFO_PATHS)} states max_total_num_tokens: "
-        "is this a minigrid engine or an SGLang server? (SGLang exports /metrics with --enable-metrics)"
+        "is this a minigrid engine or an SGLang server? (give each SGLang server, not a router in "
+        "front of them; SGLang exports /metrics with --enable-metrics)"
     )
 
 
