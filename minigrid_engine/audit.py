@@ -307,7 +307,10 @@ def read_server(client: httpx.Client, url: str) -> ServerReading:
             why = f"/metrics is not Prometheus text ({exc})"
         else:
             if pools:
-                found = _server_info(reader)
+                try:  # only the version and perhaps the context are left to find there
+                    found = _server_info(reader)
+                except MinigridError:  # a key-protected /server_info: the version goes unstated
+                    found = None
                 info = found[1] if found else None
                 return _sglang_reading(reader, f"{base}/metrics (sglang)", pools, context, info)
             why = "/metrics has neither minigrid_kv_pool_capacity_tokens nor sglang:max_total_num_tokens"

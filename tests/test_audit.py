@@ -227,6 +227,20 @@ def test_release_verdicts(version: str, fixed: bool | None) -> None:
     assert VersionFinding("http://x", "decode", version).fixed is fixed
 
 
+def test_public_metrics_and_a_protected_server_info(serve: Any) -> None:
+    """The gauges are readable without the key, /server_info is not: the pools are audited and the
+    release is left for the operator to check."""
+    server = serve(
+        {
+            "/metrics": sglang_metrics("decode", [3_000_000], 1_048_576),
+            "/server_info": (401, '{"error": "Unauthorized"}'),
+        }
+    )
+    report = audit(server.url)
+    assert report.ok and [v.fixed for v in report.versions] == [None]
+    assert "states no version: check it runs 0.5.22 or later" in report.text()
+
+
 def test_a_unified_server_is_not_judged_by_release(serve: Any) -> None:
     info = {"version": "0.5.10", "max_total_num_tokens": 500_000, "context_length": 131_072}
     report = audit(serve({"/server_info": (200, json.dumps(info))}).url)
