@@ -80,12 +80,16 @@ class CanaryHarness:
         self.prompts.setdefault(tenant, []).append(prompt)
         return prompt
 
-    def check(self, tenant: str, text: str) -> Finding:
+    def check(self, tenant: str, text: str, runs: bool = True) -> Finding:
+        """Another tenant's canaries in `text`; with `runs`, also the longest run of its prompts'
+        text (a search over every prompt sent: leave it off when they are long, as a probe's are)."""
         found = set(MARKER.findall(text))
         finding = Finding(tenant)
         for owner, markers in self.canaries.items():
             if owner != tenant and found & markers:
                 finding.foreign_canaries[owner] = found & markers
+        if not runs:
+            return finding
         for owner, prompts in self.prompts.items():
             if owner == tenant:
                 continue

@@ -310,6 +310,40 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def token_counts(text: str) -> tuple[int, ...]:
+    """`--prompt-tokens 1000,4000`: prompt lengths, each a whole number of tokens."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"{text!r} names no length: write N,N,... (tokens)")
+    return tuple(positive_int(p) for p in parts)
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from minigrid_engine.config import parse_tenants
+    from minigrid_engine.probe import ProbeConfig, probe
+
+    tenants = args.tenants or os.environ.get("MINIGRID_PROBE_TENANTS")
+    if not tenants:
+        raise MinigridError("give the accounts with --tenants NAME:KEY,NAME:KEY (or $MINIGRID_PROBE_TENANTS)")
+    cfg = ProbeConfig(
+        url=args.url,
+        tenants=parse_tenants(tenants),
+        model=args.model,
+        prompt_tokens=args.prompt_tokens or (),
+        context_length=args.context_length,
+        rounds=args.rounds,
+        max_tokens=args.max_tokens,
+        chat=args.chat,
+        seed=args.seed,
+        timeout_s=args.timeout,
+    )
+    report = probe(cfg, progress=sys.stderr.isatty())
+    print(report.to_json() if args.json else report.text())
+    if not report.ok:
+        return 1
+    return 0 if report.answered else 2
+
+
 def cmd_fuzz(args: argparse.Namespace) -> int:
     from minigrid_engine.config import corrected_preset, incident_preset
     from minigrid_engine.fixes import parse_fixes
@@ -556,6 +590,35 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the largest context length the servers advertise)",
     )
     au.set_defaults(func=cmd_audit)
+
+    pr = sub.add_parser(
+        "probe",
+        help="the canary test against any OpenAI-compatible deployment: exit 1 when an answer holds "
+        "another account's canaries",
+    )
+    pr.add_argument("--url", required=True, help="the deployment's base URL, e.g. https://host/v1")
+    pr.add_argument(
+        "--tenants",
+        help="two accounts or more, NAME:KEY,NAME:KEY (default: $MINIGRID_PROBE_TENANTS)",
+    )
+    pr.add_argument("--model", help="the model to ask (default: the first /v1/models lists)")
+    pr.add_argument(
+        "--prompt-tokens",
+        type=token_counts,
+        help="prompt lengths in the server's tokens, N,N,... (default: spread up to the context)",
+    )
+    pr.add_argument(
+        "--context-length", type=positive_int, help="the context (default: /v1/models' max_model_len)"
+    )
+    pr.add_argument("--rounds", type=positive_int, default=3, help="prompts per account and length (3)")
+    pr.add_argument("--max-tokens", type=positive_int, default=48, help="tokens per answer (48)")
+    pr.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    pr.add_argument("--seed", type=int, default=0, help="seed of the canaries (0)")
+    pr.add_argument(
+        "--timeout", type=positive_seconds, default=600.0, help="seconds to wait for each answer (600)"
+    )
+    pr.add_argument("--json", action="store_true", help="every prompt and answer as JSON")
+    pr.set_defaults(func=cmd_probe)
 
     f = sub.add_parser(
         "fuzz",
