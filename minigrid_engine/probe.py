@@ -11,6 +11,12 @@ Nothing here reads the engine's internals: only `/v1/models` (the model and its 
 and the completions the accounts get. Prompt lengths are set in the server's own tokens: two
 calibration prompts measure its characters per token and its template's overhead from `usage`.
 
+Answers are streamed, so each has its time to first token: the incident's one visible symptom was
+an answer faster than a real prefill allows. A prefill takes longer the longer the prompt, so a
+prompt at least twice the shortest length whose first token came in under half the shortest
+prompts' median time was not prefilled whole: it is flagged too fast, and fails the probe too
+(every unique prompt here starts with a fresh canary, so no prefix cache explains it).
+
 Exit status: 0 no answer held another account's canaries, 1 one did, 2 the probe could not run
 (or no prompt got an answer, which tests nothing).
 """
@@ -31,6 +37,7 @@ from minigrid_engine.canary import CanaryHarness
 from minigrid_engine.errors import MinigridError
 
 DEFAULT_FRACTIONS = (0.25, 0.5, 0.7, 0.85, 1.0)  # of the room a prompt has below the context
+TOO_FAST = 0.5  # a first token under this share of the shortest prompts' median time
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,9 @@ class ProbeShot:
     status: int | None = None  # None: no answer (the connection failed)
     code: str | None = None  # the error body's code, for a 4xx or 5xx
     prompt_tokens: int | None = None  # usage.prompt_tokens, as the server counted
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole answer
+    ttft_s: float | None = None  # the first token (None: the server did not stream)
+    too_fast: bool = False
     foreign: dict[str, list[str]] = field(default_factory=dict)  # owner -> its canaries in the answer
     answer: str = ""
 
@@ -96,8 +105,31 @@ class ProbeReport:
         return sum(s.status == 200 for s in self.shots)
 
     @property
+    def too_fast(self) -> list[ProbeShot]:
+        return [s for s in self.shots if s.too_fast]
+
+    @property
     def ok(self) -> bool:
-        return not self.leaks
+        return not self.leaks and not self.too_fast
+
+    def judge_timing(self) -> float | None:
+        """Flag the answers too fast for their prompt; the shortest prompts' median TTFT, or None
+        when too few of them streamed to judge by."""
+        shortest = min((s.target_tokens for s in self.shots), default=0)
+        base = sorted(
+            s.ttft_s for s in self.shots if s.target_tokens == shortest and s.ttft_s and s.status == 200
+        )
+        if len(base) < 2:
+            return None
+        median = base[len(base) // 2]
+        for s in self.shots:
+            s.too_fast = (
+                s.status == 200
+                and s.ttft_s is not None
+                and s.target_tokens >= 2 * shortest
+                and s.ttft_s < TOO_FAST * median
+            )
+        return median
 
     def by_length(self) -> list[tuple[int, Counter[str]]]:
         rows: dict[int, Counter[str]] = {}
@@ -108,6 +140,7 @@ class ProbeReport:
             c["4xx"] += s.status is not None and 400 <= s.status < 500
             c["5xx / none"] += s.status is None or s.status >= 500
             c["leaked"] += s.leaked
+            c["too fast"] += s.too_fast
         return sorted(rows.items())
 
     def text(self) -> str:
@@ -115,12 +148,15 @@ class ProbeReport:
             f"minigrid probe {self.url}: model {self.model!r}, context "
             f"{self.context_length if self.context_length else 'not stated'}, "
             f"{len({s.tenant for s in self.shots})} accounts, {self.chars_per_token:.2f} characters a token",
-            f"  {'prompt tokens':>13}  {'sent':>5}  {'200':>5}  {'4xx':>5}  {'5xx/none':>8}  {'leaked':>6}",
+            f"  {'prompt tokens':>13}  {'sent':>5}  {'200':>5}  {'4xx':>5}  {'5xx/none':>8}  {'leaked':>6}"
+            f"  {'too fast':>8}  {'median TTFT':>11}",
         ]
         for target, c in self.by_length():
+            ttfts = sorted(s.ttft_s for s in self.shots if s.target_tokens == target and s.ttft_s)
+            median = f"{ttfts[len(ttfts) // 2] * 1000:.0f} ms" if ttfts else "-"
             lines.append(
                 f"  {target:>13,}  {c['sent']:>5}  {c['200']:>5}  {c['4xx']:>5}  {c['5xx / none']:>8}"
-                f"  {c['leaked']:>6}"
+                f"  {c['leaked']:>6}  {c['too fast']:>8}  {median:>11}"
             )
         for s in self.leaks[:5]:
             owners = "; ".join(f"{o}'s {sorted(m)}" for o, m in s.foreign.items())
@@ -129,19 +165,41 @@ class ProbeReport:
                 f"  leak: round {s.round}, {s.tenant}'s {counted}-token prompt got HTTP {s.status} "
                 f"with {owners}"
             )
+        quick = [s for s in self.too_fast if not s.leaked]
+        for s in quick[:5]:
+            lines.append(
+                f"  too fast: round {s.round}, {s.tenant}'s {s.target_tokens:,}-token prompt had its first "
+                f"token after {(s.ttft_s or 0) * 1000:.0f} ms"
+            )
         if not self.answered:
             lines.append("NOTHING TESTED: no prompt got an answer (HTTP 200)")
         elif self.ok:
-            lines.append(f"PASS: none of {self.answered} answers held another account's canaries")
-        else:
             lines.append(
-                f"FAIL: {len(self.leaks)} answers held another account's canaries: they were built "
-                "from other customers' KV pages"
+                f"PASS: none of {self.answered} answers held another account's canaries or came "
+                "faster than its prompt could be prefilled"
             )
+        else:
+            faults = []
+            if self.leaks:
+                faults.append(
+                    f"{len(self.leaks)} answers held another account's canaries: they were built from "
+                    "other customers' KV pages"
+                )
+            if quick:
+                faults.append(
+                    f"{len(quick)} more came faster than a real prefill of their prompt allows "
+                    f"(first token under {TOO_FAST:.0%} of the shortest prompts' median)"
+                )
+            lines.append("FAIL: " + "; ".join(faults))
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        extra = {"ok": self.ok, "answered": self.answered, "leaked_answers": len(self.leaks)}
+        extra = {
+            "ok": self.ok,
+            "answered": self.answered,
+            "leaked_answers": len(self.leaks),
+            "too_fast_answers": len(self.too_fast),
+        }
         return json.dumps({**asdict(self), **extra}, indent=2)
 
 
@@ -192,17 +250,70 @@ class Probe:
         context = self.cfg.context_length or (stated if isinstance(stated, int) and stated > 0 else None)
         return model, context
 
-    def send(self, model: str, tenant: str, prompt: str, max_tokens: int) -> tuple[httpx.Response, float]:
+    def _body(self, model: str, prompt: str, max_tokens: int) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0}
         if self.cfg.chat:
-            body["messages"] = [{"role": "user", "content": prompt}]
-            path = "/chat/completions"
-        else:
-            body["prompt"] = prompt
-            path = "/completions"
+            return "/chat/completions", body | {"messages": [{"role": "user", "content": prompt}]}
+        return "/completions", body | {"prompt": prompt}
+
+    def send(self, model: str, tenant: str, prompt: str, max_tokens: int) -> httpx.Response:
+        """One completion, not streamed (calibration reads its usage)."""
+        path, body = self._body(model, prompt, max_tokens)
+        return self._request("POST", path, tenant, json=body)
+
+    def ask(self, model: str, shot: ProbeShot, prompt: str) -> None:
+        """Stream one answer into `shot`: status, text, usage, time to first token. A server that
+        answers with JSON instead is read whole; an answer cut off keeps what came, canaries and all."""
+        path, body = self._body(model, prompt, self.cfg.max_tokens)
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        headers = {"Authorization": f"Bearer {self.cfg.tenants[shot.tenant]}"}
         t0 = time.perf_counter()
-        r = self._request("POST", path, tenant, json=body)
-        return r, time.perf_counter() - t0
+        try:
+            with self.client.stream("POST", self.base + path, json=body, headers=headers) as r:
+                if r.status_code in (401, 403):  # a key /models took but completions refuse
+                    raise MinigridError(
+                        f"{self.base}{path} answered HTTP {r.status_code} to {shot.tenant}'s key"
+                    )
+                shot.status = r.status_code
+                if r.status_code == 200 and r.headers.get("content-type", "").startswith("text/event-stream"):
+                    self._read_stream(shot, r, t0)
+                else:
+                    r.read()
+                    self._read(shot, r)
+        except httpx.HTTPError as exc:  # no answer, or one that broke off: counted, not fatal
+            shot.status, shot.code = None, type(exc).__name__
+        shot.seconds = time.perf_counter() - t0
+        finding = self.harness.check(shot.tenant, shot.answer, runs=False)
+        shot.foreign = {o: sorted(m) for o, m in finding.foreign_canaries.items()}
+
+    def _read_stream(self, shot: ProbeShot, r: httpx.Response, t0: float) -> None:
+        parts: list[str] = []
+        for line in r.iter_lines():
+            data = line[5:].strip() if line.startswith("data:") else None
+            if data == "[DONE]":
+                break
+            try:
+                event = json.loads(data) if data else None
+            except ValueError:
+                event = None
+            if not isinstance(event, dict):
+                continue
+            if "error" in event:  # the server gave up mid-answer
+                error = event["error"]
+                shot.status = None
+                shot.code = error.get("code") if isinstance(error, dict) else "stream_error"
+            usage = event.get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+                shot.prompt_tokens = usage["prompt_tokens"]
+            for choice in event.get("choices") or []:
+                if not isinstance(choice, dict):
+                    continue
+                piece = (choice.get("delta") or {}).get("content") if self.cfg.chat else choice.get("text")
+                if isinstance(piece, str) and piece:
+                    if shot.ttft_s is None:
+                        shot.ttft_s = time.perf_counter() - t0
+                    parts.append(piece)
+        shot.answer = "".join(parts)
 
     def calibrate(self, model: str, context: int | None) -> tuple[float, float]:
         """Characters per token and the template's overhead, from two prompts' usage.prompt_tokens."""
@@ -211,7 +322,7 @@ class Probe:
         sizes = (max(16, min(256, room // 4)), max(32, min(1024, room // 2)))
         counted = []
         for n in sizes:
-            r, _ = self.send(model, tenant, self.harness.prompt(tenant, n, 4), 1)
+            r = self.send(model, tenant, self.harness.prompt(tenant, n, 4), 1)
             try:
                 tokens = r.json()["usage"]["prompt_tokens"]
             except (ValueError, KeyError, TypeError):
@@ -255,16 +366,9 @@ class Probe:
             chars = max(8, round((target - overhead) * cpt))
             prompt = self.harness.prompt(tenant, chars, self.rng.randint(4, 10))
             shot = ProbeShot(rnd, tenant, target, chars)
-            try:
-                r, shot.seconds = self.send(model, tenant, prompt, self.cfg.max_tokens)
-            except MinigridError:  # one lost answer is a finding to count, not the end of the probe
-                report.shots.append(shot)
-                continue
-            if r.status_code in (401, 403):  # a key /models took but completions refuse
-                raise MinigridError(f"{self.base}: HTTP {r.status_code} to {tenant}'s completion request")
-            shot.status = r.status_code
-            self._read(shot, r)
+            self.ask(model, shot, prompt)
             report.shots.append(shot)
+        report.judge_timing()
         return report
 
     def _read(self, shot: ProbeShot, r: httpx.Response) -> None:
@@ -282,11 +386,10 @@ class Probe:
             return
         usage = data.get("usage") or {}
         shot.prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        choice = (data.get("choices") or [{}])[0]
+        choices = data.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
         text = (choice.get("message") or {}).get("content") if self.cfg.chat else choice.get("text")
         shot.answer = text if isinstance(text, str) else ""
-        finding = self.harness.check(shot.tenant, shot.answer, runs=False)
-        shot.foreign = {o: sorted(m) for o, m in finding.foreign_canaries.items()}
 
 
 def probe(cfg: ProbeConfig, progress: bool = False) -> ProbeReport:

@@ -7,13 +7,11 @@ metrics are audited in test_disaggregated.py.
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 from cli_run import minigrid
+from fake_http import Route
 
 from minigrid_engine.audit import (
     VersionFinding,
@@ -22,56 +20,6 @@ from minigrid_engine.audit import (
     parse_sglang_server_info,
 )
 from minigrid_engine.errors import MinigridError
-
-Route = tuple[int, str]  # status, body (JSON when it starts with { or [)
-
-
-class FakeServer:
-    """A local HTTP server answering fixed routes; every other path is a 404 JSON error."""
-
-    def __init__(self, routes: dict[str, Route], key: str | None = None) -> None:
-        self.routes, self.key = routes, key
-        self.authorizations: list[str | None] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                outer.authorizations.append(self.headers.get("Authorization"))
-                if outer.key and self.headers.get("Authorization") != f"Bearer {outer.key}":
-                    status, body = 401, '{"error": "Invalid API Key"}'
-                else:
-                    status, body = outer.routes.get(self.path, (404, '{"detail": "Not Found"}'))
-                data = body.encode()
-                kind = "application/json" if body[:1] in "{[" else "text/plain; version=0.0.4"
-                self.send_response(status)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def serve() -> Iterator[Any]:
-    started: list[FakeServer] = []
-
-    def start(routes: dict[str, Route], key: str | None = None) -> FakeServer:
-        started.append(FakeServer(routes, key))
-        return started[-1]
-
-    yield start
-    for s in started:
-        s.close()
 
 
 def sglang_metrics(engine_type: str, capacity_by_rank: list[int], context: int) -> Route:

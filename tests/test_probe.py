@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from typing import Any
 
 import pytest
 from cli_run import minigrid
+from fake_http import Route
 
 from minigrid_engine.config import corrected_preset, incident_preset
 from minigrid_engine.errors import MinigridError
 from minigrid_engine.handle import Engine
-from minigrid_engine.probe import ProbeConfig, probe
+from minigrid_engine.probe import ProbeConfig, ProbeReport, ProbeShot, probe
 
 TENANTS = "alice:sk-alice,bob:sk-bob"
 
@@ -74,3 +77,67 @@ def test_a_wrong_key_is_named() -> None:
         proc = minigrid("probe", "--url", eng.url, "--tenants", "alice:sk-alice,bob:sk-wrong", timeout=120)
     assert proc.returncode == 2 and "answered HTTP 401 to bob's key" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+class OtherServer:
+    """An OpenAI-compatible server unlike minigrid: 4 characters a token, a 10-token template, no
+    streaming (JSON even when asked to stream). With `leaky`, it answers each prompt with the codes
+    of the prompt before it, whoever sent that one: the incident's answers, built on stale pages."""
+
+    def __init__(self, leaky: bool) -> None:
+        self.leaky, self.last_prompt = leaky, ""
+        self.streamed: list[bool] = []
+
+    def models(self, _: Any) -> Route:
+        return 200, json.dumps({"object": "list", "data": [{"id": "big-llm", "max_model_len": 32_768}]})
+
+    def complete(self, body: Any) -> Route:
+        prompt = body["messages"][0]["content"] if "messages" in body else body["prompt"]
+        self.streamed.append(bool(body.get("stream")))
+        tokens = len(prompt) // 4 + 10
+        if tokens + body["max_tokens"] > 32_768:
+            return 400, json.dumps({"error": {"code": "context_length_exceeded", "message": "too long"}})
+        source = self.last_prompt if self.leaky else prompt
+        self.last_prompt = prompt
+        text = " ".join(re.findall(r"[A-Z0-9]{10}", source)[:3])
+        usage = {"prompt_tokens": tokens, "completion_tokens": 3, "total_tokens": tokens + 3}
+        return 200, json.dumps({"object": "text_completion", "choices": [{"text": text}], "usage": usage})
+
+
+@pytest.mark.parametrize("leaky", [True, False])
+def test_any_openai_server_in_its_own_tokens(serve: Any, leaky: bool) -> None:
+    other = OtherServer(leaky)
+    server = serve({"/v1/models": other.models, "/v1/completions": other.complete})
+    proc = minigrid("probe", "--url", server.url, "--tenants", "ops-a:k1,ops-b:k2,ops-c:k3", "--json")
+    assert proc.returncode == (1 if leaky else 0), proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["model"] == "big-llm" and report["chars_per_token"] == pytest.approx(4.0)
+    assert report["overhead_tokens"] == pytest.approx(10.0, abs=1)
+    targets = sorted({s["target_tokens"] for s in report["shots"]})
+    assert targets[-1] == 32_768 - 48  # the default spread ends at the context, less the answer
+    for s in report["shots"]:  # each prompt came out at its length in the server's tokens
+        assert s["prompt_tokens"] == pytest.approx(s["target_tokens"], abs=2)
+        assert s["ttft_s"] is None  # not streamed: no timing verdict, no false alarm
+    assert all(other.streamed[2:])  # the probe asked for a stream every time after calibration
+    leaked = [s for s in report["shots"] if s["foreign"]]
+    assert bool(leaked) is leaky
+    if leaky:  # each answer held the codes of the prompt before it, always another account's
+        assert len(leaked) == len(report["shots"])
+        assert all(s["tenant"] not in s["foreign"] for s in leaked)
+
+
+def _shot(target: int, ttft: float | None) -> ProbeShot:
+    return ProbeShot(1, "alice", target, target, status=200, ttft_s=ttft)
+
+
+def test_an_answer_faster_than_its_prefill_fails() -> None:
+    shots = [_shot(1000, 0.40), _shot(1000, 0.50), _shot(1000, 0.45), _shot(8000, 1.9), _shot(8000, 0.05)]
+    report = ProbeReport("http://x", "m", 8192, 4.0, 0.0, shots)
+    assert report.judge_timing() == pytest.approx(0.45)
+    assert [s.too_fast for s in shots] == [False, False, False, False, True]
+    assert not report.ok and "1 more came faster than a real prefill" in report.text()
+    # a short prompt answered fast is no evidence: only prompts twice the shortest are judged
+    quick_short = [_shot(1000, 0.40), _shot(1000, 0.01), _shot(1500, 0.01)]
+    report = ProbeReport("http://x", "m", 8192, 4.0, 0.0, quick_short)
+    report.judge_timing()
+    assert report.ok
