@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from cli_run import minigrid
 from fake_http import Route
 
-from minigrid_engine.config import corrected_preset, incident_preset
+from minigrid_engine.config import ServeConfig, corrected_preset, incident_preset
 from minigrid_engine.errors import MinigridError
 from minigrid_engine.handle import Engine
 from minigrid_engine.probe import ProbeConfig, ProbeReport, ProbeShot, probe
@@ -47,8 +48,8 @@ def test_the_probe_finds_the_leak_past_the_pool_and_only_there() -> None:
     ("preset", "fixes", "rejected"),
     [(incident_preset, "reject-before-transfer", True), (corrected_preset, "all", False)],
 )
-def test_a_fixed_engine_passes(preset: object, fixes: str, rejected: bool) -> None:
-    with Engine.start(preset(), fixes=fixes) as eng:  # type: ignore[operator]
+def test_a_fixed_engine_passes(preset: Callable[[], ServeConfig], fixes: str, rejected: bool) -> None:
+    with Engine.start(preset(), fixes=fixes) as eng:
         report = probe(ProbeConfig(eng.url, dict(eng.tenants), rounds=2))
         chat = probe(ProbeConfig(eng.url, dict(eng.tenants), rounds=1, chat=True, max_tokens=16))
     assert report.ok and chat.ok, report.text() + chat.text()
