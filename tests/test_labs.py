@@ -176,6 +176,8 @@ def test_10_the_test_that_would_have_caught_it(tmp_path: Path) -> None:
 def test_11_postmortem_answers_the_questions(tmp_path: Path) -> None:
     r = run("11_postmortem.ipynb", tmp_path)
     assert r["audit"] == {"as launched": False, "corrected": True} and r["launched_leak"]
+    # the probe, from outside, finds the leak on prompts the 665-token prefill pool cannot hold
+    assert r["probe_leak_prompts"] and all(n > 665 for n in r["probe_leak_prompts"])
     assert r["at_risk"] == ["chat-prod"]
 
 
