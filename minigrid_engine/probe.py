@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
-from tqdm import tqdm
+from tqdm.auto import tqdm  # a widget bar in a notebook, text in a terminal
 
 from minigrid_engine.canary import CanaryHarness
 from minigrid_engine.errors import MinigridError
