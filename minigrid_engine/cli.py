@@ -325,17 +325,13 @@ def cmd_probe(args: argparse.Namespace) -> int:
     tenants = args.tenants or os.environ.get("MINIGRID_PROBE_TENANTS")
     if not tenants:
         raise MinigridError("give the accounts with --tenants NAME:KEY,NAME:KEY (or $MINIGRID_PROBE_TENANTS)")
+    same = ("model", "context_length", "rounds", "max_tokens", "chat", "seed")  # flag = field
     cfg = ProbeConfig(
         url=args.url,
         tenants=parse_tenants(tenants),
-        model=args.model,
         prompt_tokens=args.prompt_tokens or (),
-        context_length=args.context_length,
-        rounds=args.rounds,
-        max_tokens=args.max_tokens,
-        chat=args.chat,
-        seed=args.seed,
         timeout_s=args.timeout,
+        **{name: getattr(args, name) for name in same},
     )
     report = probe(cfg, progress=sys.stderr.isatty())
     print(report.to_json() if args.json else report.text())
