@@ -287,7 +287,7 @@ class Probe:
         shot.foreign = {o: sorted(m) for o, m in finding.foreign_canaries.items()}
 
     def _read_stream(self, shot: ProbeShot, r: httpx.Response, t0: float) -> None:
-        parts: list[str] = []
+        """The events as they come; the text kept piece by piece, so a stream cut off keeps its part."""
         for line in r.iter_lines():
             data = line[5:].strip() if line.startswith("data:") else None
             if data == "[DONE]":
@@ -312,8 +312,7 @@ class Probe:
                 if isinstance(piece, str) and piece:
                     if shot.ttft_s is None:
                         shot.ttft_s = time.perf_counter() - t0
-                    parts.append(piece)
-        shot.answer = "".join(parts)
+                    shot.answer += piece
 
     def calibrate(self, model: str, context: int | None) -> tuple[float, float]:
         """Characters per token and the template's overhead, from two prompts' usage.prompt_tokens."""
