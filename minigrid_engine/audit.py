@@ -10,7 +10,10 @@ export rather than from a configuration file that may not be what is deployed. I
   (exported with `--enable-metrics`, one sample per rank, labelled with `engine_type` unified,
   prefill or decode), else `max_total_num_tokens`, `context_length` and `disaggregation_mode` from
   `/server_info` (`/get_server_info` before SGLang 0.5), the context falling back to
-  `/v1/models`' `max_model_len`.
+  `/v1/models`' `max_model_len`;
+- a vLLM server: `num_gpu_blocks` x `block_size` from `vllm:cache_config_info` on `/metrics`, the
+  context from `/v1/models`' `max_model_len` (vLLM refuses to start when one sequence of that length
+  cannot fit, but the audit checks what runs, and each server of a prefill/decode pair on its own).
 
 A disaggregated SGLang deployment has one server per role: give each with its own `--url`. Every pool
 is held to the longest context any of them advertises (or `--context-length`), because a prompt the
@@ -66,7 +69,7 @@ class ServerReading:
     source: str
     pools: dict[str, int]
     context_length: int | None
-    engine: str = "minigrid"  # or "sglang"
+    engine: str = "minigrid"  # or "sglang", "vllm"
     version: str | None = None  # the release the server states, when it states one
 
 
@@ -193,6 +196,20 @@ def parse_sglang_metrics(text: str, default_role: str = "unified") -> tuple[int 
     return (max(contexts) if contexts else None), pools
 
 
+def parse_vllm_metrics(text: str) -> dict[str, int]:
+    """vLLM's `vllm:cache_config_info` labels: `num_gpu_blocks` x `block_size`, the smallest engine's."""
+    pools: dict[str, int] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name != "vllm:cache_config_info":
+                continue
+            blocks, size = s.labels.get("num_gpu_blocks", ""), s.labels.get("block_size", "")
+            if blocks.isdigit() and size.isdigit() and int(blocks) * int(size) > 0:
+                tokens = int(blocks) * int(size)
+                pools["unified"] = min(pools.get("unified", tokens), tokens)
+    return pools
+
+
 def _whole(value: Any) -> int | None:
     """A positive whole number from JSON, else None (null, "n/a", true, 0 all mean: not stated)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -313,7 +330,15 @@ def read_server(client: httpx.Client, url: str) -> ServerReading:
                     found = None
                 info = found[1] if found else None
                 return _sglang_reading(reader, f"{base}/metrics (sglang)", pools, context, info)
-            why = "/metrics has neither minigrid_kv_pool_capacity_tokens nor sglang:max_total_num_tokens"
+            pools = parse_vllm_metrics(r.text)
+            if pools:
+                return ServerReading(
+                    base, f"{base}/metrics (vllm)", pools, reader.model_context(), engine="vllm"
+                )
+            why = (
+                "/metrics has none of minigrid_kv_pool_capacity_tokens, sglang:max_total_num_tokens, "
+                "vllm:cache_config_info"
+            )
     found = _server_info(reader)
     if found is not None:
         path, info = found
@@ -322,7 +347,7 @@ def read_server(client: httpx.Client, url: str) -> ServerReading:
             return _sglang_reading(reader, f"{base}{path} (sglang)", pools, context, info)
     raise MinigridError(
         f"{base}: {why}, and neither {' nor '.join(SERVER_INFO_PATHS)} states max_total_num_tokens: "
-        "is this a minigrid engine or an SGLang server? (give each SGLang server, not a router in "
+        "is this a minigrid engine, an SGLang or a vLLM server? (give each server, not a router in "
         "front of them; SGLang exports /metrics with --enable-metrics)"
     )
 

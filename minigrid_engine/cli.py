@@ -562,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     au = sub.add_parser(
         "audit",
-        help="check from running servers (minigrid or SGLang) that every KV pool covers the context",
+        help="check from running servers (minigrid, SGLang, vLLM) that every KV pool covers the context",
     )
     au.add_argument(
         "--url",

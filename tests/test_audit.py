@@ -128,10 +128,8 @@ def test_a_server_that_is_neither_says_so(serve: Any) -> None:
     )
     proc = minigrid("audit", "--url", server.url, timeout=60)
     assert proc.returncode == 2, proc.stdout
-    assert "is this a minigrid engine or an SGLang server?" in proc.stderr
-    assert (
-        "/metrics has neither minigrid_kv_pool_capacity_tokens nor sglang:max_total_num_tokens" in proc.stderr
-    )
+    assert "is this a minigrid engine, an SGLang or a vLLM server?" in proc.stderr
+    assert "/metrics has none of minigrid_kv_pool_capacity_tokens, sglang:max_total_num_tokens" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -220,3 +218,28 @@ def test_sglang_gauges_without_an_engine_type_label() -> None:
         'sglang:context_len{model_name="m"} 800.0\n'
     )
     assert parse_sglang_metrics(text) == (800, {"unified": 1000})
+
+
+def vllm_metrics(blocks_by_engine: list[str], block_size: int = 16) -> Route:
+    lines = [
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+        "# TYPE vllm:cache_config_info gauge",
+    ]
+    for engine, blocks in enumerate(blocks_by_engine):
+        labels = f'block_size="{block_size}",cache_dtype="auto",engine="{engine}",num_gpu_blocks="{blocks}"'
+        lines.append(f"vllm:cache_config_info{{{labels}}} 1.0")
+    return 200, "\n".join(lines) + "\n"
+
+
+def test_a_vllm_prefill_decode_pair(serve: Any) -> None:
+    """vLLM states its pool as blocks x block size, per engine; the context is in /v1/models."""
+    models = (200, json.dumps({"data": [{"id": "m", "object": "model", "max_model_len": 131_072}]}))
+    prefill = serve({"/metrics": vllm_metrics(["9000", "8000"]), "/v1/models": models})  # 128,000 tokens
+    decode = serve({"/metrics": vllm_metrics(["20000"]), "/v1/models": models})
+    report = audit([prefill.url, decode.url])
+    assert [(p.capacity_tokens, p.covers) for p in report.pools] == [(128_000, False), (320_000, True)]
+    assert report.pools[0].source == f"{prefill.url}/metrics (vllm)" and report.versions == []
+    assert "TOO SMALL by 3,072 tokens" in report.text()
+    not_yet = serve({"/metrics": vllm_metrics(["None"]), "/v1/models": models})  # still profiling
+    with pytest.raises(MinigridError, match="vllm:cache_config_info"):
+        audit(not_yet.url)
