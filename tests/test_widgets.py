@@ -180,3 +180,25 @@ def test_a_room_of_thirty_gets_thirty_colours_and_none_is_the_never_written_grey
     picked = [colours[n] for n in names]
     assert len(set(picked)) == 30 and NEVER not in picked
     assert tenant_colours(list(reversed(names))) == colours  # the same student, the same colour
+
+
+def test_the_probe_picture_puts_each_answer_where_it_stood() -> None:
+    from minigrid_engine.probe import ProbeReport, ProbeShot
+    from widgets.probe_view import probe_figure
+
+    shots = [
+        ProbeShot(1, "alice", 300, 300, status=200, prompt_tokens=301, ttft_s=0.05),
+        ProbeShot(1, "bob", 900, 900, status=200, prompt_tokens=902, ttft_s=0.04, foreign={"alice": ["X"]}),
+        ProbeShot(1, "alice", 1000, 1000, status=400, code="context_length_exceeded"),
+    ]
+    fig = probe_figure(ProbeReport("http://x", "m", 1024, 1.0, 0.0, shots), pool_tokens=665)
+    by_name = {t.name: t for t in fig.data}
+    assert set(by_name) == {
+        "clean answer (1)",
+        "leaked: another account's canaries (1)",
+        "refused or failed (no answer) (1)",
+    }
+    leaked = by_name["leaked: another account's canaries (1)"]
+    assert list(leaked.x) == [902] and list(leaked.y) == [40.0]
+    assert [s["x0"] for s in fig.layout.shapes] == [665, 1024]  # the pool's edge and the context
+    assert "1 of 3 answers leaked" in fig.layout.title.text
