@@ -67,7 +67,7 @@ def probe_figure(report: ProbeReport, pool_tokens: int | None = None) -> go.Figu
     fig.update_layout(
         title=f"minigrid probe: {len(report.leaks)} of {len(report.shots)} answers leaked",
         xaxis_title="prompt tokens (as the server counted them)",
-        yaxis_title="time to first token (ms)",
+        yaxis={"title": "time to first token (ms)", "rangemode": "tozero"},
         legend={"orientation": "h", "y": -0.25},
         height=420,
     )
