@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 from packaging.version import InvalidVersion, Version
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from minigrid_engine.errors import MinigridError
 
@@ -169,44 +170,49 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def parse_metrics(text: str) -> tuple[int | None, dict[str, int]]:
-    """A minigrid engine's context length and pool capacities by role, from its Prometheus text."""
+def metric_samples(text: str) -> list[Sample]:
+    """Every sample of a Prometheus text, parsed once for all the readers below (ValueError if it is
+    not Prometheus text)."""
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def parse_metrics(samples: Iterable[Sample]) -> tuple[int | None, dict[str, int]]:
+    """A minigrid engine's context length and pool capacities by role, from its metrics."""
     context: int | None = None
     pools: dict[str, int] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "minigrid_context_length_tokens":
-                context = int(s.value)
-            elif s.name == "minigrid_kv_pool_capacity_tokens":
-                pools[s.labels.get("role", "?")] = int(s.value)
+    for s in samples:
+        if s.name == "minigrid_context_length_tokens":
+            context = int(s.value)
+        elif s.name == "minigrid_kv_pool_capacity_tokens":
+            pools[s.labels.get("role", "?")] = int(s.value)
     return context, pools
 
 
-def parse_sglang_metrics(text: str, default_role: str = "unified") -> tuple[int | None, dict[str, int]]:
+def parse_sglang_metrics(
+    samples: Iterable[Sample], default_role: str = "unified"
+) -> tuple[int | None, dict[str, int]]:
     """SGLang's gauges: the smallest rank's pool per `engine_type`, the largest context advertised."""
     contexts: list[int] = []
     pools: dict[str, int] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "sglang:context_len":
-                contexts.append(int(s.value))
-            elif s.name == "sglang:max_total_num_tokens":
-                role = s.labels.get("engine_type") or default_role
-                pools[role] = min(pools.get(role, int(s.value)), int(s.value))
+    for s in samples:
+        if s.name == "sglang:context_len":
+            contexts.append(int(s.value))
+        elif s.name == "sglang:max_total_num_tokens":
+            role = s.labels.get("engine_type") or default_role
+            pools[role] = min(pools.get(role, int(s.value)), int(s.value))
     return (max(contexts) if contexts else None), pools
 
 
-def parse_vllm_metrics(text: str) -> dict[str, int]:
+def parse_vllm_metrics(samples: Iterable[Sample]) -> dict[str, int]:
     """vLLM's `vllm:cache_config_info` labels: `num_gpu_blocks` x `block_size`, the smallest engine's."""
     pools: dict[str, int] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name != "vllm:cache_config_info":
-                continue
-            blocks, size = s.labels.get("num_gpu_blocks", ""), s.labels.get("block_size", "")
-            if blocks.isdigit() and size.isdigit() and int(blocks) * int(size) > 0:
-                tokens = int(blocks) * int(size)
-                pools["unified"] = min(pools.get("unified", tokens), tokens)
+    for s in samples:
+        if s.name != "vllm:cache_config_info":
+            continue
+        blocks, size = s.labels.get("num_gpu_blocks", ""), s.labels.get("block_size", "")
+        if blocks.isdigit() and size.isdigit() and int(blocks) * int(size) > 0:
+            tokens = int(blocks) * int(size)
+            pools["unified"] = min(pools.get("unified", tokens), tokens)
     return pools
 
 
@@ -311,7 +317,8 @@ def read_server(client: httpx.Client, url: str) -> ServerReading:
     why = f"/metrics answered HTTP {r.status_code}"
     if r.status_code == 200:
         try:
-            context, pools = parse_metrics(r.text)
+            samples = metric_samples(r.text)
+            context, pools = parse_metrics(samples)
             if pools:
                 if context is None:
                     raise MinigridError(
@@ -319,7 +326,7 @@ def read_server(client: httpx.Client, url: str) -> ServerReading:
                         "minigrid_context_length_tokens"
                     )
                 return ServerReading(base, f"{base}/metrics (minigrid)", pools, context)
-            context, pools = parse_sglang_metrics(r.text)
+            context, pools = parse_sglang_metrics(samples)
         except ValueError as exc:
             why = f"/metrics is not Prometheus text ({exc})"
         else:
@@ -330,7 +337,7 @@ def read_server(client: httpx.Client, url: str) -> ServerReading:
                     found = None
                 info = found[1] if found else None
                 return _sglang_reading(reader, f"{base}/metrics (sglang)", pools, context, info)
-            pools = parse_vllm_metrics(r.text)
+            pools = parse_vllm_metrics(samples)
             if pools:
                 return ServerReading(
                     base, f"{base}/metrics (vllm)", pools, reader.model_context(), engine="vllm"

@@ -16,6 +16,7 @@ from fake_http import Route
 from minigrid_engine.audit import (
     VersionFinding,
     audit,
+    metric_samples,
     parse_sglang_metrics,
     parse_sglang_server_info,
 )
@@ -217,7 +218,7 @@ def test_sglang_gauges_without_an_engine_type_label() -> None:
         'sglang:max_total_num_tokens{model_name="m",tp_rank="0"} 1000.0\n'
         'sglang:context_len{model_name="m"} 800.0\n'
     )
-    assert parse_sglang_metrics(text) == (800, {"unified": 1000})
+    assert parse_sglang_metrics(metric_samples(text)) == (800, {"unified": 1000})
 
 
 def vllm_metrics(blocks_by_engine: list[str], block_size: int = 16) -> Route:
