@@ -325,7 +325,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     tenants = args.tenants or os.environ.get("MINIGRID_PROBE_TENANTS")
     if not tenants:
         raise MinigridError("give the accounts with --tenants NAME:KEY,NAME:KEY (or $MINIGRID_PROBE_TENANTS)")
-    same = ("model", "context_length", "rounds", "max_tokens", "chat", "seed")  # flag = field
+    same = ("model", "context_length", "rounds", "max_tokens", "chat", "seed", "concurrency")  # flag = field
     cfg = ProbeConfig(
         url=args.url,
         tenants=parse_tenants(tenants),
@@ -610,6 +610,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--max-tokens", type=positive_int, default=48, help="tokens per answer (48)")
     pr.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     pr.add_argument("--seed", type=int, default=0, help="seed of the canaries (0)")
+    pr.add_argument(
+        "--concurrency",
+        type=positive_int,
+        default=1,
+        help="prompts in flight at once, as on a busy deployment (1: one at a time, with the TTFT "
+        "verdict; more: no timing verdict)",
+    )
     pr.add_argument(
         "--timeout", type=positive_seconds, default=600.0, help="seconds to wait for each answer (600)"
     )

@@ -17,6 +17,11 @@ prompt at least twice the shortest length whose first token came in under half t
 prompts' median time was not prefilled whole: it is flagged too fast, and fails the probe too
 (every unique prompt here starts with a fresh canary, so no prefix cache explains it).
 
+`concurrency` above 1 keeps that many prompts in flight at once, as a busy deployment runs them:
+pages are then freed and reused while other requests are being prefilled, transferred and decoded,
+which is where a late transfer or a release race shows; and a long probe of a slow deployment
+finishes sooner. Queueing then sets the times to first token, so that run gives no timing verdict.
+
 Exit status: 0 no answer held another account's canaries, 1 one did, 2 the probe could not run
 (or no prompt got an answer, which tests nothing).
 """
@@ -27,6 +32,7 @@ import json
 import random
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -52,6 +58,7 @@ class ProbeConfig:
     chat: bool = False  # /v1/chat/completions instead of /v1/completions
     seed: int = 0
     timeout_s: float = 600.0  # per request: a full-context prefill on a real deployment is slow
+    concurrency: int = 1  # prompts in flight at once (above 1: no timing verdict)
 
     def __post_init__(self) -> None:
         if len(self.tenants) < 2:
@@ -61,8 +68,11 @@ class ProbeConfig:
             )
         if len(set(self.tenants.values())) < len(self.tenants):
             raise MinigridError("--tenants: two accounts share one key; give each its own")
-        if self.rounds < 1 or self.max_tokens < 1:
-            raise MinigridError(f"rounds {self.rounds} and max_tokens {self.max_tokens} must be at least 1")
+        if self.rounds < 1 or self.max_tokens < 1 or self.concurrency < 1:
+            raise MinigridError(
+                f"rounds {self.rounds}, max_tokens {self.max_tokens} and concurrency {self.concurrency} "
+                "must each be at least 1"
+            )
 
 
 @dataclass
@@ -95,6 +105,7 @@ class ProbeReport:
     chars_per_token: float
     overhead_tokens: float
     shots: list[ProbeShot] = field(default_factory=list)
+    concurrency: int = 1  # prompts in flight at once
 
     @property
     def leaks(self) -> list[ProbeShot]:
@@ -114,7 +125,10 @@ class ProbeReport:
 
     def judge_timing(self) -> float | None:
         """Flag the answers too fast for their prompt; the shortest prompts' median TTFT, or None
-        when too few of them streamed to judge by."""
+        when too few of them streamed to judge by, or when prompts ran at once (queueing, not
+        prefill, then sets the time to first token)."""
+        if self.concurrency > 1:
+            return None
         shortest = min((s.target_tokens for s in self.shots), default=0)
         base = sorted(
             s.ttft_s for s in self.shots if s.target_tokens == shortest and s.ttft_s and s.status == 200
@@ -147,7 +161,12 @@ class ProbeReport:
         lines = [
             f"minigrid probe {self.url}: model {self.model!r}, context "
             f"{self.context_length if self.context_length else 'not stated'}, "
-            f"{len({s.tenant for s in self.shots})} accounts, {self.chars_per_token:.2f} characters a token",
+            f"{len({s.tenant for s in self.shots})} accounts, {self.chars_per_token:.2f} characters a token"
+            + (
+                f", {self.concurrency} prompts in flight at once (no timing verdict)"
+                if self.concurrency > 1
+                else ""
+            ),
             f"  {'prompt tokens':>13}  {'sent':>5}  {'200':>5}  {'4xx':>5}  {'5xx/none':>8}  {'leaked':>6}"
             f"  {'too fast':>8}  {'median TTFT':>11}",
         ]
@@ -353,7 +372,7 @@ class Probe:
     def run(self, progress: bool = False) -> ProbeReport:
         model, context = self.discover()
         cpt, overhead = self.calibrate(model, context)
-        report = ProbeReport(self.cfg.url, model, context, cpt, overhead)
+        report = ProbeReport(self.cfg.url, model, context, cpt, overhead, concurrency=self.cfg.concurrency)
         names = list(self.cfg.tenants)
         plan = [
             (rnd, names[(i + rnd) % len(names)], target)  # each round, the accounts take turns
@@ -361,12 +380,22 @@ class Probe:
             for target in self.targets(context)
             for i in range(len(names))
         ]
-        for rnd, tenant, target in tqdm(plan, desc="probe", unit="req", disable=not progress, leave=False):
+        prompts = []  # made up front, in plan order: the canaries do not depend on the timing
+        for rnd, tenant, target in plan:
             chars = max(8, round((target - overhead) * cpt))
             prompt = self.harness.prompt(tenant, chars, self.rng.randint(4, 10))
-            shot = ProbeShot(rnd, tenant, target, chars)
-            self.ask(model, shot, prompt)
-            report.shots.append(shot)
+            report.shots.append(ProbeShot(rnd, tenant, target, chars))
+            prompts.append(prompt)
+        bar = tqdm(total=len(plan), desc="probe", unit="req", disable=not progress, leave=False)
+        pool = ThreadPoolExecutor(self.cfg.concurrency)  # 1: strictly one after another, in plan order
+        try:
+            jobs = [pool.submit(self.ask, model, shot, prompt) for shot, prompt in zip(report.shots, prompts)]
+            for done in as_completed(jobs):
+                done.result()  # a key refused at completions stops the probe (MinigridError)
+                bar.update()
+        finally:
+            pool.shutdown(cancel_futures=True)  # what was not sent yet is not sent
+            bar.close()
         report.judge_timing()
         return report
 

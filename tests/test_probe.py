@@ -142,3 +142,30 @@ def test_an_answer_faster_than_its_prefill_fails() -> None:
     report = ProbeReport("http://x", "m", 8192, 4.0, 0.0, quick_short)
     report.judge_timing()
     assert report.ok
+    # prompts in flight at once: queueing sets the first token's time, so no timing verdict
+    report = ProbeReport(
+        "http://x", "m", 8192, 4.0, 0.0, [_shot(1000, 0.4), _shot(1000, 0.5), _shot(8000, 0.05)], 4
+    )
+    assert report.judge_timing() is None and report.ok
+    assert "4 prompts in flight at once (no timing verdict)" in report.text()
+
+
+def test_prompts_in_flight_at_once_still_find_the_leak_past_the_pool() -> None:
+    """A busy deployment: four prompts at a time, pages freed and reused while others are served."""
+    with Engine.start(incident_preset(), fixes="none") as eng:
+        report = probe(ProbeConfig(eng.url, dict(eng.tenants), rounds=2, concurrency=4))
+        eng.set_fixes("reject-before-transfer,owner-check")
+        fixed = probe(ProbeConfig(eng.url, dict(eng.tenants), rounds=2, concurrency=4, seed=1))
+    assert report.answered == len(report.shots) == 20  # every prompt answered, none lost
+    assert [(s.round, s.tenant, s.target_tokens) for s in report.shots][:2] == [
+        (1, "bob", 244),
+        (1, "alice", 244),
+    ]
+    assert report.leaks and all((s.prompt_tokens or 0) > 665 for s in report.leaks)
+    assert all(s.tenant not in s.foreign for s in report.leaks)
+    assert not report.too_fast
+    # fixed: the 12 prompts past the 665-token pool get their 400, the 8 that fit are answered
+    assert fixed.ok and fixed.answered == 8
+    assert all(
+        (s.status, s.code) == (400, "context_length_exceeded") for s in fixed.shots if s.target_tokens > 665
+    )
