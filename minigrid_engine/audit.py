@@ -52,6 +52,7 @@ class PoolFinding:
     capacity_tokens: int
     context_length: int
     source: str = ""  # where the capacity was read: "http://h:8000/metrics (minigrid)"
+    engine: str = "minigrid"  # the server that stated it: "minigrid", "sglang" or "vllm"
 
     @property
     def covers(self) -> bool:
@@ -141,7 +142,7 @@ class AuditReport:
         if len({c for c in self.advertised.values() if c is not None}) > 1:
             stated = ", ".join(f"{u} {c}" for u, c in self.advertised.items())
             lines.append(f"  the servers advertise different context lengths ({stated}): the largest applies")
-        show_source = len(self.urls) > 1 or any(not p.source.endswith("(minigrid)") for p in self.pools)
+        show_source = len(self.urls) > 1 or any(p.engine != "minigrid" for p in self.pools)
         for p in self.pools:
             verdict = "ok" if p.covers else f"TOO SMALL by {p.shortfall_tokens:,} tokens"
             where = f"  [{p.source}]" if show_source else ""
@@ -385,7 +386,9 @@ def audit(
             "give the longest prompt the deployment accepts with --context-length N"
         )
     pools = [
-        PoolFinding(role, cap, context, r.source) for r in readings for role, cap in sorted(r.pools.items())
+        PoolFinding(role, cap, context, r.source, r.engine)
+        for r in readings
+        for role, cap in sorted(r.pools.items())
     ]
     versions = [
         VersionFinding(r.url, role, r.version)

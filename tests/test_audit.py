@@ -70,6 +70,7 @@ def test_a_pool_is_its_smallest_rank(serve: Any) -> None:
     assert not report.ok
     [pool] = report.pools
     assert (pool.role, pool.capacity_tokens, pool.shortfall_tokens) == ("unified", 30_000, 2_768)
+    assert pool.engine == "sglang" and f"[{one_rank_short.url}/metrics (sglang)]" in report.text()
 
 
 def test_every_pool_is_held_to_the_longest_advertised_context(serve: Any) -> None:
