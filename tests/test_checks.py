@@ -12,6 +12,22 @@ def test_shortfall() -> None:
     assert checks.check_shortfall(solution("shortfall")).ok
     v = checks.check_shortfall(lambda m: int(m["minigrid_context_length_tokens"] - 665))  # hard-coded pool
     assert not v.ok and "shortfall is" in v.message
+    # a filter that also takes the pages gauge for a pool: caught, on the engine's own metric families
+    v = checks.check_shortfall(
+        lambda m: int(m["minigrid_context_length_tokens"] - min(v for k, v in m.items() if "kv_pool" in k))
+    )
+    assert not v.ok and "not the pages" in v.message
+    running = {
+        'minigrid_kv_pool_capacity_tokens{role="prefill"}': 300.0,
+        "minigrid_context_length_tokens": 512.0,
+    }
+    assert checks.check_shortfall(solution("shortfall"), running).ok
+    ref = solution("shortfall")
+    right_only_on_the_cases = lambda m: ref(m) if "minigrid_kv_page_size_tokens" in m else 0  # noqa: E731
+    assert checks.check_shortfall(right_only_on_the_cases).ok
+    assert not checks.check_shortfall(
+        right_only_on_the_cases, running
+    ).ok  # the running engine is checked too
 
 
 def test_slot() -> None:
@@ -65,6 +81,8 @@ def test_catcher() -> None:
     assert checks.check_catcher(solution("catcher"), cases).ok
     v = checks.check_catcher(lambda c: c["status"] in (200, 400), cases)  # the launch's test
     assert not v.ok and "Status and latency alone" in v.message
+    v = checks.check_catcher(lambda c: not c.get("leaked", False), cases)  # grading with the answer key
+    assert not v.ok  # the test never sees the forensics' columns
 
 
 def test_possibly_affected_and_messages_for_broken_answers() -> None:

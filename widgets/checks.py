@@ -61,18 +61,42 @@ def solution(name: str) -> Any:
 
 
 # -- 01 welcome ------------------------------------------------------------------------------
-def check_shortfall(fn: Callable[[dict[str, float]], int]) -> Verdict:
-    """`fn(metrics)` -> how many tokens the smallest KV pool is short of the context (0 if none)."""
+def _engine_metrics(pools: dict[str, int], context: int, page_size: int = 128) -> dict[str, float]:
+    """A pool size as `eng.metrics()` states it: every KV family, not only the capacity."""
+    metrics: dict[str, float] = {"minigrid_context_length_tokens": float(context)}
+    for role, tokens in pools.items():
+        pages = -(-tokens // page_size)
+        metrics |= {
+            f'minigrid_kv_pool_capacity_tokens{{role="{role}"}}': float(tokens),
+            f'minigrid_kv_pool_pages{{role="{role}"}}': float(pages),
+            f'minigrid_kv_pages_in_use{{role="{role}"}}': 0.0,
+            f'minigrid_worker_kv_pool_capacity_tokens{{role="{role}",worker="{role}-0"}}': float(tokens),
+        }
+    return metrics | {"minigrid_kv_page_size_tokens": float(page_size)}
+
+
+def _pools(metrics: dict[str, float]) -> dict[str, int]:
+    prefix = 'minigrid_kv_pool_capacity_tokens{role="'
+    return {k[len(prefix) : -2]: int(v) for k, v in metrics.items() if k.startswith(prefix)}
+
+
+def check_shortfall(
+    fn: Callable[[dict[str, float]], int], metrics: dict[str, float] | None = None
+) -> Verdict:
+    """`fn(metrics)` -> how many tokens the smallest KV pool is short of the context (0 if none):
+    on the running engine's `metrics` when given, then on other deployments' numbers."""
     cases = [
-        ({"prefill": 665, "decode": 4096}, 1024, 359),
-        ({"prefill": 681280, "decode": 4_000_000}, 1048576, 367296),
-        ({"prefill": 2048, "decode": 4096}, 1024, 0),
-        ({"prefill": 4096, "decode": 900}, 1024, 124),
+        ({"prefill": 665, "decode": 4096}, 1024),
+        ({"prefill": 681280, "decode": 4_000_000}, 1048576),
+        ({"prefill": 2048, "decode": 4096}, 1024),
+        ({"prefill": 4096, "decode": 900}, 1024),
     ]
-    for pools, context, want in cases:
-        metrics = {f'minigrid_kv_pool_capacity_tokens{{role="{r}"}}': float(t) for r, t in pools.items()}
-        metrics["minigrid_context_length_tokens"] = float(context)
-        got, bad = _run("shortfall", fn, metrics)
+    every = [metrics] if metrics and _pools(metrics) else []
+    every += [_engine_metrics(pools, context) for pools, context in cases]
+    for case in every:
+        pools, context = _pools(case), int(case["minigrid_context_length_tokens"])
+        want = max(0, context - min(pools.values()))
+        got, bad = _run("shortfall", fn, dict(case))
         if bad:
             return bad
         if got != want:
@@ -81,7 +105,8 @@ def check_shortfall(fn: Callable[[dict[str, float]], int]) -> Verdict:
                 False,
                 f"for pools {pools} and a context of {context:,} tokens you said {got!r}; the smallest "
                 f"pool is {min(pools.values()):,} tokens, so the shortfall is {want:,} "
-                "(0 when every pool covers the context).",
+                "(0 when every pool covers the context; the pools are the "
+                "minigrid_kv_pool_capacity_tokens lines, not the pages or the per-worker lines).",
             )
     return _verdict(
         "shortfall", True, "the check reads the running engine's own numbers, as question 1 asks."
@@ -331,10 +356,14 @@ def check_program_pages(
 
 
 # -- 10 catch it -----------------------------------------------------------------------------
+FORENSICS_ONLY = ("leaked", "foreign_pages")  # the ground truth: graded with, never shown to the test
+
+
 def check_catcher(fn: Callable[[Any], bool], replies: dict[str, Any]) -> Verdict:
     """`fn(case)` -> True when the response passes; it must fail every leaking case, pass the rest."""
     for name, case in replies.items():
-        got, bad = _run("catcher", fn, case)
+        seen = {k: v for k, v in case.items() if k not in FORENSICS_ONLY}  # what a client sees
+        got, bad = _run("catcher", fn, seen)
         if bad:
             return bad
         want = not case["leaked"]
