@@ -64,6 +64,10 @@ from cli_run import minigrid
         (["audit", "--url", "http://127.0.0.1:9", "--timeout", "nan"], "nan seconds: give a number above 0"),
         (["audit", "--url", "http://[::1"], "'http://[::1' is not a URL the audit can read"),
         (["faults", "--restart-wait", "-1"], "-1 seconds: give a number above 0"),
+        (
+            ["probe", "--url", "http://127.0.0.1:9", "--tenants", "a:k1,b:k2", "--concurrency", "0"],
+            "argument --concurrency: 0 must be at least 1",
+        ),
         (["faults", "--only", ""], "--only '' names no case"),
         (
             ["serve", "--fixes", "none", "--page-size", "5000", "--prefill-pool-tokens", "5000"],
