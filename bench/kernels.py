@@ -499,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
             if cuda:
                 torch.cuda.empty_cache()
             save()
+    result["goals"] = goals(rows)  # the bandwidth verdict now, in case a later section is cut short
+    save()
     if not a.skip_engine:
         result["engine"] = engine_rows(s, device)
         for row in result["engine"]:

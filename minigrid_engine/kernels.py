@@ -98,7 +98,8 @@ if interpreted():
 
 
 # -- the kernels ---------------------------------------------------------------------------------
-@triton.jit
+# Lengths and batch widths are not specialized on (== 1, divisible by 16): a new one is no new compile.
+@triton.jit(do_not_specialize=["n_tokens"])
 def _write_kv_kernel(
     KCache,
     VCache,
@@ -128,7 +129,7 @@ def _write_kv_kernel(
     tl.store(VCache + dst, v, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pages_per_split", "max_blocks"])
 def _decode_kernel(
     Q,  # [B, n_heads, head_dim]
     KCache,  # [n_pages, page_size, n_kv_heads, head_dim]
@@ -144,6 +145,7 @@ def _decode_kernel(
     scale_log2,  # softmax scale * log2(e): exp2 instead of exp
     page_size,
     pages_per_split,
+    max_blocks,  # the block table's width: no request reads past its own row
     stride_qb,
     stride_qh,
     stride_kp,
@@ -182,6 +184,10 @@ def _decode_kernel(
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)  # loop bounds in one integer type
     n_blocks = (seq_len + page_size - 1) // page_size  # blocks past the length are padding: never read
+    # A length past its row would read the next request's block table (the leak, once more) or
+    # past the table: the walk stops at the row's end, as the torch reference's gather does.
+    n_blocks = tl.minimum(n_blocks, max_blocks)
+    seq_len = tl.minimum(seq_len, n_blocks * page_size)
     first_block = split * pages_per_split
     last_block = tl.minimum(first_block + pages_per_split, n_blocks)
 
@@ -271,17 +277,20 @@ def _reduce_kernel(
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     lse = tl.load(PartLse + b * stride_lb + h * stride_lh + s, mask=s < n_splits, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always holds page 0, so the max is finite
+    # split 0 always holds page 0, so the max is finite for any length >= 1 (the floor keeps an
+    # empty request at 0, as one split leaves it, instead of NaN)
+    w = tl.exp2(lse - tl.maximum(tl.max(lse, axis=0), -1e30))
     part = tl.load(
         PartOut + b * stride_ob + h * stride_oh + s[:, None] * stride_os + d[None, :],
         mask=(s < n_splits)[:, None] & (d < HEAD_DIM)[None, :],
         other=0.0,
     )
-    out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(Out + b * stride_outb + h * stride_outh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["start", "n_query"])
 def _prefill_kernel(
     Q,  # [T, n_heads, head_dim] at positions start .. start+T-1
     KCache,
@@ -403,6 +412,36 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Non
         )
 
 
+def _check_lengths(block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: int, page_size: int) -> None:
+    """Every request's length within its block table's row (1 to width x page size). Checked when the
+    lengths are on the host, which costs no device sync; on a GPU the kernel bounds its walk by the
+    row, so a bad length can never read another request's pages."""
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or tuple(seq_lens.shape) != (batch,):
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} must be "
+            f"[{batch}, max_blocks] and [{batch}] for a batch of {batch}"
+        )
+    if seq_lens.device.type != "cpu" or batch == 0:
+        return
+    room = block_tables.shape[1] * page_size
+    short, long = int(seq_lens.min()), int(seq_lens.max())
+    if short < 1 or long > room:
+        raise ValueError(
+            f"seq_lens run from {short} to {long} tokens: each must be 1 to {room} "
+            f"({block_tables.shape[1]} blocks of {page_size} tokens in the block table)"
+        )
+
+
+_UNUSED: dict[torch.device, torch.Tensor] = {}
+
+
+def _unused(device: torch.device) -> torch.Tensor:
+    """A one-element pointer for a kernel argument whose feature is off (made once per device)."""
+    if device not in _UNUSED:
+        _UNUSED[device] = torch.zeros(1, 1, 1, dtype=torch.int64, device=device)
+    return _UNUSED[device]
+
+
 def _precision(t: torch.Tensor) -> str:
     """tl.dot's input precision: "ieee" keeps float32 exact (a GPU would use TF32); "tf32" is
     Triton's default, and float16 / bfloat16 dots are unaffected by it."""
@@ -496,6 +535,7 @@ def decode(
             f"slot_tags has shape {tuple(slot_tags.shape)}: one tag per slot, "
             f"{tuple(k_cache.shape[:2])} (pages, page size) for this cache"
         )
+    _check_lengths(block_tables, seq_lens, b, page_size)
     tiles = tiles or Tiles.default(q.device, q.dtype)
     want = num_splits or default_splits(b, kv_heads, max_blocks, q.device)
     per_split = triton.cdiv(max_blocks, max(1, min(want, max_blocks)))
@@ -507,7 +547,7 @@ def decode(
     check = slot_tags is not None
     foreign = torch.zeros(b, max_blocks, dtype=torch.int8, device=dev) if check else None
     pages_read = torch.full((b, kv_heads, max_blocks), -1, dtype=torch.int64, device=dev) if record else None
-    unused = torch.zeros(1, 1, 1, dtype=torch.int64, device=dev)  # pointer for a feature turned off
+    unused = _unused(dev)  # pointer for a feature turned off
     f = foreign if foreign is not None else unused[0]
     r = pages_read if pages_read is not None else unused
     _decode_kernel[(b, kv_heads, splits)](
@@ -525,6 +565,7 @@ def decode(
         math.log2(math.e) / math.sqrt(head_dim),
         page_size,
         per_split,
+        max_blocks,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -572,7 +613,8 @@ def decode(
             BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_S=triton.next_power_of_2(splits),
         )
-    return DecodeRun(out, pages_read, None if foreign is None else foreign.bool(), splits, per_split)
+    flags = None if foreign is None else foreign.view(torch.bool)  # 0 / 1 bytes: a view, no copy
+    return DecodeRun(out, pages_read, flags, splits, per_split)
 
 
 def paged_decode_attention(
