@@ -32,7 +32,7 @@ from minigrid_engine.transfer import LoopbackTransport, page_data
 class InProcessCluster:
     def __init__(self, cfg: ServeConfig, model: Transformer | None = None) -> None:
         self.cfg = cfg
-        self.model = model if model is not None else load_model()
+        self.model = model if model is not None else load_model(device=cfg.device)
         self.tokenizer = ByteTokenizer()
         mc = self.model.cfg
         self.prefill_pool = KVPool(
@@ -40,6 +40,7 @@ class InProcessCluster:
             mc,
             "prefill",
             Trace("prefill"),
+            cfg.device,  # where the workers would keep it: `--device`
             scrub_on_free=cfg.fixes.scrub_on_free,
         )
         self.decode_pool = KVPool(
@@ -47,6 +48,7 @@ class InProcessCluster:
             mc,
             "decode",
             Trace("decode"),
+            cfg.device,
             scrub_on_free=cfg.fixes.scrub_on_free,
         )
         self.to_prefill: deque[object] = deque()

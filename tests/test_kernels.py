@@ -361,12 +361,10 @@ def test_kernel_bench_knows_each_chips_peak_and_judges_the_goals() -> None:
     )
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="the in-process cluster keeps its pools on the CPU")
-def test_both_disaggregated_roles_run_the_kernels() -> None:
-    cpu_model = load_model()
+def test_both_disaggregated_roles_run_the_kernels(model) -> None:
     texts = {}
-    for backend in ("torch", "triton"):
-        cluster = InProcessCluster(corrected_preset(attention=backend), cpu_model)
+    for backend in ("torch", "triton"):  # pools on the model's device, as `--device` puts them
+        cluster = InProcessCluster(corrected_preset(attention=backend, device=DEVICE), model)
         assert cluster.prefill.runner.ops.name == cluster.decode.runner.ops.name == backend
         result = cluster.complete("alice", PROMPTS[0], 8)
         assert result.status == 200
