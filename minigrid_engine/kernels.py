@@ -114,11 +114,12 @@ def _write_kv_kernel(
     stride_vn,
     ROW: tl.constexpr,  # n_kv_heads * head_dim
     BLOCK_T: tl.constexpr,
-    BLOCK_ROW: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,  # columns per program: a chunk of the row, so few registers hold it
 ):
-    """Program i stores tokens i*BLOCK_T.. at their slots: the page a slot names is written, no other."""
+    """Program (i, j) stores columns j*BLOCK_ROW.. of tokens i*BLOCK_T.. at their slots: the page a
+    slot names is written, no other."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_ROW)
+    cols = tl.program_id(1) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
     ok = (tokens < n_tokens)[:, None] & (cols < ROW)[None, :]
     slot = tl.load(Slots + tokens, mask=tokens < n_tokens, other=0)
     page, offset = slot // page_size, slot % page_size
@@ -136,7 +137,8 @@ def _decode_kernel(
     VCache,
     BlockTables,  # [B, max_blocks] page ids
     SeqLens,  # [B] tokens to attend over (>= 1)
-    PartOut,  # [B, n_heads, n_splits, head_dim] float32: this split's normalised output
+    PartOut,  # [B, n_heads, n_splits, head_dim] float32: this split's normalised output (one split:
+    # the output itself, [B, n_heads, 1, head_dim] in the query's dtype)
     PartLse,  # [B, n_heads, n_splits] float32: log2 of sum(2^scores) over this split (its weight)
     SlotTags,  # [n_pages, page_size] int64 last-writer tag of each slot (owner-check only)
     ReaderTags,  # [B] int64 the reading request's tag (owner-check only)
@@ -248,7 +250,7 @@ def _decode_kernel(
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(
         PartOut + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :],
-        out,
+        out.to(PartOut.dtype.element_ty),
         mask=head_ok[:, None] & dim_ok[None, :],
     )
     tl.store(PartLse + b * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
@@ -390,6 +392,9 @@ class Tiles:
         return cls(block_n=64, block_m=64)
 
 
+WRITE_COLUMNS = 256  # write_kv: 16 tokens x 256 columns of K and of V per program (8 x 128 heads: 4)
+
+
 def _pow2(n: int, floor: int = MIN_BLOCK) -> int:
     return max(floor, triton.next_power_of_2(n))
 
@@ -462,8 +467,9 @@ def write_kv(
     v = v.to(v_cache.dtype).reshape(n, kv_heads * head_dim)
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    block_t = 16
-    _write_kv_kernel[(triton.cdiv(n, block_t),)](
+    row = kv_heads * head_dim
+    block_t, block_row = 16, min(WRITE_COLUMNS, triton.next_power_of_2(row))
+    _write_kv_kernel[(triton.cdiv(n, block_t), triton.cdiv(row, block_row))](
         k_cache,
         v_cache,
         slots.contiguous(),
@@ -475,9 +481,9 @@ def write_kv(
         k_cache.stride(1),
         k.stride(0),
         v.stride(0),
-        ROW=kv_heads * head_dim,
+        ROW=row,
         BLOCK_T=block_t,
-        BLOCK_ROW=triton.next_power_of_2(kv_heads * head_dim),
+        BLOCK_ROW=block_row,
     )
 
 
@@ -542,7 +548,10 @@ def decode(
     splits = triton.cdiv(max_blocks, per_split)  # every split starts inside the block table
     dev = q.device
     block_tables = block_tables.contiguous()
-    part_out = torch.empty(b, n_heads, splits, head_dim, dtype=torch.float32, device=dev)
+    if splits == 1:  # nothing to combine: the one split writes the answer, in the query's dtype
+        part_out = torch.empty(b, n_heads, 1, head_dim, dtype=q.dtype, device=dev)
+    else:
+        part_out = torch.empty(b, n_heads, splits, head_dim, dtype=torch.float32, device=dev)
     part_lse = torch.empty(b, n_heads, splits, dtype=torch.float32, device=dev)
     check = slot_tags is not None
     foreign = torch.zeros(b, max_blocks, dtype=torch.int8, device=dev) if check else None
@@ -593,8 +602,8 @@ def decode(
         PRECISION=_precision(q),
         num_warps=tiles.num_warps,
     )
-    if splits == 1:  # nothing to combine: the one split's output is the answer
-        out = part_out[:, :, 0].to(q.dtype)
+    if splits == 1:
+        out = part_out[:, :, 0]
     else:
         out = torch.empty_like(q)
         _reduce_kernel[(b, n_heads)](

@@ -153,6 +153,24 @@ def test_prefill_and_write_kernels_match_torch(n, start_frac, page, group, tiles
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_write_kv_of_a_row_wider_than_one_program() -> None:
+    """5 kv heads x 96 dims = 480 columns: two column chunks, the second masked at its tail."""
+    gen = torch.Generator().manual_seed(3)
+    n, page, kh, d = 21, 8, 5, 96
+    assert kh * d > kernels.WRITE_COLUMNS
+    k_cache = torch.randn(6, page, kh, d, generator=gen).to(DEVICE)
+    v_cache = torch.randn(6, page, kh, d, generator=gen).to(DEVICE)
+    keys, vals = (
+        torch.randn(n, kh, d, generator=gen).to(DEVICE),
+        torch.randn(n, kh, d, generator=gen).to(DEVICE),
+    )
+    slots = attention.slot_ids(torch.tensor([4, 1, 3], device=DEVICE), torch.arange(n, device=DEVICE), page)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kernels.write_kv(k_cache, v_cache, slots, keys, vals)
+    attention.write_kv(k_ref, v_ref, slots, keys, vals)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
 HALF = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]  # numpy has no bf16
 
 
