@@ -313,25 +313,30 @@ def _prefill_kernel(
     stride_vh,
     stride_ot,
     stride_oh,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
     HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program: BLOCK_M // GROUP_PAD tokens x GROUP_PAD heads
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for float32 (exact, no TF32), the default otherwise
 ):
-    """One program = BLOCK_M query tokens of one head, over keys 0..its last position, BLOCK_N at a
-    time, each key found through the block table as in the decode kernel."""
+    """One program = a few query tokens x every query head of one kv head, over keys 0..its last
+    position, BLOCK_N at a time, each key found through the block table as in the decode kernel.
+    The group's heads are rows of one tile, so each K/V page is read once for all of them."""
+    TOKENS = BLOCK_M // GROUP_PAD  # constexpr
     m_block = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < n_query
+    kv_head = tl.program_id(1)
+    r = tl.arange(0, BLOCK_M)
+    rows = m_block * TOKENS + r // GROUP_PAD  # row r: token r // GROUP_PAD, head r % GROUP_PAD
+    g = r % GROUP_PAD
+    head = kv_head * GROUP + g
+    row_ok = (rows < n_query) & (g < GROUP)
     pos = start + rows  # each query's position: it may see keys 0..pos (causal)
     d = tl.arange(0, BLOCK_D)
     dim_ok = d < HEAD_DIM
     q = tl.load(
-        Q + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+        Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
@@ -339,7 +344,7 @@ def _prefill_kernel(
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
-    n_keys = tl.minimum(start + (m_block + 1) * BLOCK_M, start + n_query)  # keys the last row sees
+    n_keys = tl.minimum(start + (m_block + 1) * TOKENS, start + n_query)  # keys the last row sees
     for tile in range(0, n_keys, BLOCK_N):
         n = tile + tl.arange(0, BLOCK_N)
         tok_ok = n < n_keys
@@ -363,7 +368,7 @@ def _prefill_kernel(
 
     out = acc / l_i[:, None]
     tl.store(
-        Out + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+        Out + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         out.to(Out.dtype.element_ty),
         mask=row_ok[:, None] & dim_ok[None, :],
     )
@@ -695,7 +700,10 @@ def paged_prefill_attention(
     if t == 0:
         return out
     tiles = tiles or Tiles.default(q.device, q.dtype)
-    _prefill_kernel[(triton.cdiv(t, tiles.block_m), n_heads)](
+    group = n_heads // kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(tiles.block_m, group_pad)  # at least one token of every head of the group
+    _prefill_kernel[(triton.cdiv(t, block_m // group_pad), kv_heads)](
         q,
         k_cache,
         v_cache,
@@ -715,9 +723,10 @@ def paged_prefill_attention(
         v_cache.stride(2),
         out.stride(0),
         out.stride(1),
-        GROUP=n_heads // kv_heads,
+        GROUP=group,
+        GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
-        BLOCK_M=tiles.block_m,
+        BLOCK_M=block_m,
         BLOCK_D=_pow2(head_dim),
         BLOCK_N=tiles.block_n,
         PRECISION=_precision(q),

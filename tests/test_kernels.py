@@ -128,7 +128,7 @@ def test_owner_check_kernel_flags_what_foreign_pages_flags(lens, page, splits, s
     n=st.integers(1, 150),
     start_frac=st.floats(0, 0.9),
     page=st.sampled_from(PAGES),
-    group=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 3, 4]),
     tiles=st.sampled_from(TILES),
     seed=st.integers(0, 2**16),
 )
@@ -416,7 +416,7 @@ half = dict(Q="*fp16", KCache="*fp16", VCache="*fp16", BlockTables="*i64", SeqLe
             PartLse="*fp32", SlotTags="*i64", ReaderTags="*i64", Foreign="*i8", PagesRead="*i64")
 decode = dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, OWNER_CHECK=True, RECORD=True,
               PRECISION="tf32")
-prefill = dict(GROUP=2, HEAD_DIM=32, BLOCK_M=32, BLOCK_D=32, BLOCK_N=32, PRECISION="ieee")
+prefill = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=32, BLOCK_M=32, BLOCK_D=32, BLOCK_N=32, PRECISION="ieee")
 full = dict(Q="*fp32", KCache="*fp32", VCache="*fp32", BlockTable="*i64", Out="*fp32")
 jobs = [
     (K._decode_kernel, signature(K._decode_kernel, half, ["scale_log2"], decode), decode),
