@@ -19,6 +19,7 @@ import psutil
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pages import pages_in_use, wait_pages_free
 
 from minigrid_engine import router as router_mod
 from minigrid_engine.cli import build_parser
@@ -783,20 +784,6 @@ def test_keys_are_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 # -- afterwards ------------------------------------------------------------------------------
-def pages_in_use(engine: Engine) -> dict[str, float]:
-    m = engine.metrics()
-    return {role: m[f'minigrid_kv_pages_in_use{{role="{role}"}}'] for role in ("prefill", "decode")}
-
-
-def wait_pages_free(engine: Engine, timeout_s: float = 10) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not any(pages_in_use(engine).values()):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_after_all_that_the_engine_is_whole(engine: Engine, http: httpx.Client) -> None:
     """Runs last in this module: healthy, serving, no page held, the pools' bookkeeping intact."""
     status, body = engine.health()

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+from pages import pages_in_use, wait_pages_free
 from test_workshop import Workshop, room, serve_room  # noqa: F401  (the module-scoped workshop server)
+
+from minigrid_engine.handle import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "labs" / "workshop").glob("*.ipynb"))
@@ -48,20 +49,6 @@ def run(name: str, out: Path, **params: object) -> dict:
     return result
 
 
-def wait_for_free_prefill_pages(url: str, timeout_s: float = 30.0) -> None:
-    """The victim's answer can reach her before prefill has released her pages (the release
-    follows the transfer's acknowledgement): on a busy machine the next prompt would then be given
-    other pages. In a class seconds pass between two students; here, wait for the release."""
-    deadline = time.monotonic() + timeout_s
-    in_use = re.compile(r'^minigrid_kv_pages_in_use\{role="prefill"\} (\S+)$', re.M)
-    while time.monotonic() < deadline:
-        found = in_use.search(httpx.get(f"{url}/metrics", timeout=10).text)
-        if found and float(found.group(1)) == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"prefill still holds pages {timeout_s} s after the victim's answer")
-
-
 def test_the_room_leaks_then_the_switch_stops_it(room: Workshop, tmp_path: Path) -> None:  # noqa: F811
     keys = room.room.students
     victim = run(
@@ -73,7 +60,10 @@ def test_the_room_leaks_then_the_switch_stops_it(room: Workshop, tmp_path: Path)
         seed=1,
     )
     assert victim["student"] == "student01" and victim["my_codes"]
-    wait_for_free_prefill_pages(room.url)
+    # her answer can reach her before prefill releases her pages: on a busy machine the next
+    # prompt would be given other ones (in a class, seconds pass between two students)
+    teacher_view = Engine.connect(room.url, room.room.instructor_key)
+    assert wait_pages_free(teacher_view, timeout_s=30), pages_in_use(teacher_view)
     bob = run("student.ipynb", tmp_path / "s2", url=room.url, api_key=keys["student02"], store_secret=False)
     assert bob["status"] == 200 and bob["fixes"] == []
     stolen = set(bob["found"].get("student01", [])) & set(victim["my_codes"])
