@@ -529,15 +529,19 @@ def test_health_answers_head_too(http: httpx.Client) -> None:
 
 
 def test_sampling_without_a_seed_samples_afresh_and_a_seed_repeats(http: httpx.Client) -> None:
-    """As OpenAI: with no seed every call samples anew; with one, the same answer each time."""
+    """As OpenAI: with no seed every call samples anew; with one, the same answer each time.
+
+    At temperature 1.5 the greedy answer's 12 bytes came up in 66 of 400 samples, so five alike
+    happened about once in 8,000 runs (and once in CI); at 2 (the most allowed) 400 samples were
+    400 different answers."""
 
     def text(**extra: Any) -> str:
-        body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.5, **extra}
+        body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 2.0, **extra}
         r = http.post("/v1/completions", json=body, headers=ALICE)
         assert r.status_code == 200, r.text
         return str(r.json()["choices"][0]["text"])
 
-    unseeded = [text() for _ in range(5)]
+    unseeded = [text() for _ in range(6)]
     assert len(set(unseeded)) > 1, unseeded
     assert len({text(seed=11) for _ in range(3)}) == 1
 
