@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=512, help="mean prompt length (ragged +-25%)")
+    p.add_argument("--prompt-len", type=int, default=512, help="mean prompt length (ragged +-25%%)")
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--attention", choices=["torch", "triton"], default="torch", help="paged path kernels")

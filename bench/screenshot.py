@@ -9,6 +9,7 @@ take the screenshot (no browser download: `/usr/bin/chromium`).
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,9 @@ from widgets.pool_view import pool_figure
 
 
 def main(argv: list[str]) -> int:
-    out = Path(argv[0] if argv else "docs/page-pools.png").resolve()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", nargs="?", type=Path, default=Path("docs/page-pools.png"), help="the PNG to write")
+    out = p.parse_args(argv).out.resolve()
     with Engine.start(fixes="none") as eng:
         rep = run_incident(
             eng, context_length=1024, prefill_pool_tokens=665, attacker_len=1000, max_tokens=24, attempts=4

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -63,3 +65,12 @@ def test_fixes_bench(tmp_path: Path) -> None:
     assert all(len(row["completion_tokens_per_s_rounds"]) == 2 for row in r["table"])
     assert r["noise"]["throughput"] >= 0 and r["noise"]["ttft_p50"] >= 0  # two rounds: a spread
     assert [row["page_size"] for row in r["scrub_by_page_size"]] == [16, 32, 64, 128, 256, 512]
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
+def test_every_benchmark_explains_its_options(script: str) -> None:
+    """`--help` prints the options (a bare % in a help string made argparse raise instead)."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stdout + proc.stderr

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import socket
 from pathlib import Path
 
 import pytest
 from cli_run import minigrid
+
+from minigrid_engine.cli import build_parser
 
 
 @pytest.mark.parametrize(
@@ -269,3 +272,12 @@ def test_check_protocol_cut_short_claims_no_isolation() -> None:
     assert r["states_explored"] == 1  # the bound is a bound: not one state more
     text = minigrid("check-protocol", "--fixes", "none", "--max-states", "1").stdout
     assert "isolation holds" not in text and "no violation in the states explored" in text
+
+
+def test_every_command_explains_its_options() -> None:
+    """Each subcommand's help formats (argparse raises on a bare % in a help string)."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"serve", "audit", "probe", "generate"} <= set(commands)
+    for name, sub in commands.items():
+        assert sub.format_help().startswith(f"usage: minigrid {name}"), name
