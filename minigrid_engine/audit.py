@@ -8,14 +8,16 @@ export rather than from a configuration file that may not be what is deployed. I
   on `/metrics`;
 - an SGLang server: the `sglang:max_total_num_tokens` and `sglang:context_len` gauges on `/metrics`
   (exported with `--enable-metrics`, one sample per rank, labelled with `engine_type` unified,
-  prefill or decode), else `max_total_num_tokens`, `context_length` and `disaggregation_mode` from
+  prefill or decode; where the label is missing or says unified, the role is `/server_info`'s
+  `disaggregation_mode`), else `max_total_num_tokens`, `context_length` and `disaggregation_mode` from
   `/server_info` (`/get_server_info` before SGLang 0.5), the context falling back to
   `/v1/models`' `max_model_len`;
 - a vLLM server: `num_gpu_blocks` x `block_size` from `vllm:cache_config_info` on `/metrics`, the
   context from `/v1/models`' `max_model_len` (vLLM refuses to start when one sequence of that length
   cannot fit, but the audit checks what runs, and each server of a prefill/decode pair on its own).
 
-A disaggregated SGLang deployment has one server per role: give each with its own `--url`. Every pool
+A disaggregated SGLang deployment has one server per role: give each with its own `--url` (its root;
+the `/v1` address OpenAI clients and `minigrid probe` take is read as the root). Every pool
 is held to the longest context any of them advertises (or `--context-length`), because a prompt the
 prefill side accepts must also fit the decode pool it is sent to. Where a role runs on several
 ranks, its pool is the smallest rank's: a request may land on any of them.
@@ -33,6 +35,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from packaging.version import InvalidVersion, Version
@@ -44,6 +47,14 @@ from minigrid_engine.errors import MinigridError
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 FIXED_SGLANG = Version("0.5.22")  # INCIDENT.md: operators of disaggregated SGLang should run it or later
 DISAGGREGATED_ROLES = ("prefill", "decode")
+# What goes wrong when a pool of that role is smaller than the context: prefill builds the prompt's
+# KV cache, decode receives those pages and appends the answer's, a unified pool holds both.
+SHORT_POOL_CONSEQUENCE = {
+    "prefill": "prompts longer than the pool can be accepted but cannot be prefilled",
+    "decode": "a prompt plus its answer longer than the pool cannot be decoded, "
+    "and a longer prompt's pages cannot be received from prefill",
+    "unified": "a prompt plus its answer longer than the pool cannot be held",
+}
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,11 @@ class PoolFinding:
     @property
     def shortfall_tokens(self) -> int:
         return max(0, self.context_length - self.capacity_tokens)
+
+    @property
+    def consequence(self) -> str:
+        """What a too-small pool of this role does to a long request (a role not named: unified)."""
+        return SHORT_POOL_CONSEQUENCE.get(self.role, SHORT_POOL_CONSEQUENCE["unified"])
 
 
 @dataclass(frozen=True)
@@ -151,16 +167,12 @@ class AuditReport:
         if self.ok:
             lines.append("PASS: every KV pool holds a full-context prompt")
             return "\n".join(lines)
-        faults = []
-        short = [p for p in self.pools if not p.covers]
-        if short:
-            faults.append(
-                "; ".join(
-                    f"the {p.role} pool holds {p.capacity_tokens} tokens < context length {p.context_length}"
-                    for p in short
-                )
-                + ": prompts longer than the pool can be accepted but cannot be prefilled"
-            )
+        faults = [
+            f"the {p.role} pool holds {p.capacity_tokens} tokens < context length {p.context_length}: "
+            + p.consequence
+            for p in self.pools
+            if not p.covers
+        ]
         old = [v for v in self.versions if v.fixed is False]
         if old:
             faults.append(
@@ -240,9 +252,27 @@ def parse_sglang_server_info(info: dict[str, Any]) -> tuple[int | None, dict[str
     context = _whole(info.get("context_length"))
     if context is None:
         context = _smallest(s.get("context_length") for s in states)
-    mode = info.get("disaggregation_mode")
-    role = mode if mode in ("prefill", "decode") else "unified"
+    role = _disaggregation_mode(info) or "unified"
     return context, ({role: capacity} if capacity is not None else {})
+
+
+def _disaggregation_mode(info: dict[str, Any] | None) -> str | None:
+    """The role `/server_info` says the server runs in, prefill or decode; None for any other."""
+    mode = info.get("disaggregation_mode") if info is not None else None
+    return mode if mode in DISAGGREGATED_ROLES else None
+
+
+def _in_mode(pools: dict[str, int], mode: str | None) -> dict[str, int]:
+    """The gauges' pools, a unified one (no `engine_type` label, as older releases export, or the
+    label at unified) renamed to the mode the server runs in: a prefill server's pool is audited, and
+    its release judged, as prefill's."""
+    if mode is None:
+        return pools
+    found: dict[str, int] = {}
+    for role, capacity in pools.items():
+        role = mode if role == "unified" else role
+        found[role] = min(found.get(role, capacity), capacity)
+    return found
 
 
 class _Reader:
@@ -296,23 +326,38 @@ def _server_info(reader: _Reader) -> tuple[str, dict[str, Any]] | None:
 def _sglang_reading(
     reader: _Reader, source: str, pools: dict[str, int], context: int | None, info: dict[str, Any] | None
 ) -> ServerReading:
-    """An SGLang server's reading, its context and version completed from /server_info and /v1/models."""
+    """An SGLang server's reading, its role, context and version completed from /server_info and
+    /v1/models."""
     if context is None and info is not None:
         context = parse_sglang_server_info(info)[0]
     version = info.get("version") if info is not None else None
     return ServerReading(
         reader.base,
         source,
-        pools,
+        _in_mode(pools, _disaggregation_mode(info)),
         context or reader.model_context(),
         engine="sglang",
         version=version if isinstance(version, str) and version else None,
     )
 
 
+def server_root(url: str) -> str:
+    """The server's root from what an operator may paste: `http://h:30000/`, `.../metrics`, or the
+    OpenAI base URL `.../v1` that `minigrid probe` and OpenAI clients take."""
+    base = url.rstrip("/")
+    for suffix in ("/metrics", "/v1"):
+        try:
+            path = urlsplit(base).path  # the path's, not a host's: http://v1:8000 stays as it is
+        except ValueError:
+            return base  # not a URL: the first GET names it
+        if path.endswith(suffix):
+            base = base.removesuffix(suffix).rstrip("/")
+    return base
+
+
 def read_server(client: httpx.Client, url: str) -> ServerReading:
     """One server's pools and context: minigrid's metrics, SGLang's metrics, else SGLang's JSON."""
-    base = url.rstrip("/").removesuffix("/metrics").rstrip("/")
+    base = server_root(url)
     reader = _Reader(client, base)
     r = reader.get("/metrics")
     why = f"/metrics answered HTTP {r.status_code}"

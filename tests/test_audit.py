@@ -19,30 +19,32 @@ from minigrid_engine.audit import (
     metric_samples,
     parse_sglang_metrics,
     parse_sglang_server_info,
+    server_root,
 )
 from minigrid_engine.errors import MinigridError
 
 
-def sglang_metrics(engine_type: str, capacity_by_rank: list[int], context: int) -> Route:
-    """SGLang's /metrics: one gauge sample per tensor-parallel rank, as it exports them."""
+def sglang_metrics(engine_type: str | None, capacity_by_rank: list[int], context: int) -> Route:
+    """SGLang's /metrics: one gauge sample per tensor-parallel rank, as it exports them (older
+    releases, `engine_type` None, label no role)."""
     lines = [
         "# HELP sglang:max_total_num_tokens Maximum total number of tokens in the KV cache pool.",
         "# TYPE sglang:max_total_num_tokens gauge",
     ]
-    labels = 'engine_type="{}",model_name="glm",pp_rank="0",tp_rank="{}"'
+    role = "" if engine_type is None else f'engine_type="{engine_type}",'
+    labels = role + 'model_name="glm",pp_rank="0",tp_rank="{}"'
     lines += [
-        f"sglang:max_total_num_tokens{{{labels.format(engine_type, r)}}} {float(c)}"
+        f"sglang:max_total_num_tokens{{{labels.format(r)}}} {float(c)}"
         for r, c in enumerate(capacity_by_rank)
     ]
     lines += ["# HELP sglang:context_len The context length.", "# TYPE sglang:context_len gauge"]
     lines += [
-        f"sglang:context_len{{{labels.format(engine_type, r)}}} {float(context)}"
-        for r in range(len(capacity_by_rank))
+        f"sglang:context_len{{{labels.format(r)}}} {float(context)}" for r in range(len(capacity_by_rank))
     ]
     lines += [
         "# HELP sglang:num_running_reqs The number of running requests.",
         "# TYPE sglang:num_running_reqs gauge",
-        f"sglang:num_running_reqs{{{labels.format(engine_type, 0)}}} 3.0",
+        f"sglang:num_running_reqs{{{labels.format(0)}}} 3.0",
     ]
     return 200, "\n".join(lines) + "\n"
 
@@ -82,7 +84,31 @@ def test_every_pool_is_held_to_the_longest_advertised_context(serve: Any) -> Non
     assert [(p.role, p.covers) for p in report.pools] == [("prefill", True), ("decode", False)]
     text = report.text()
     assert "advertise different context lengths" in text
-    assert "the decode pool holds 100000 tokens < context length 131072" in text
+    assert (
+        "the decode pool holds 100000 tokens < context length 131072: a prompt plus its answer longer "
+        "than the pool cannot be decoded, and a longer prompt's pages cannot be received from prefill"
+    ) in text
+    assert "prefilled" not in text  # the prefill pool covers the context: nothing to blame it for
+
+
+def test_each_short_pool_is_told_what_it_breaks(serve: Any) -> None:
+    """A short prefill pool cannot prefill; a short decode pool cannot receive or decode; a short
+    unified pool (an SGLang server on its own, or vLLM) cannot hold the request."""
+    prefill = serve({"/metrics": sglang_metrics("prefill", [681_280], 1_048_576)})
+    decode = serve({"/metrics": sglang_metrics("decode", [700_000], 1_048_576)})
+    unified = serve({"/metrics": vllm_metrics(["40000"])})  # 640,000 tokens
+    text = audit([prefill.url, decode.url, unified.url], context_length=1_048_576).text()
+    fail = text.splitlines()[-1]
+    assert fail == (
+        "FAIL: the prefill pool holds 681280 tokens < context length 1048576: prompts longer than the "
+        "pool can be accepted but cannot be prefilled; "
+        "the decode pool holds 700000 tokens < context length 1048576: a prompt plus its answer longer "
+        "than the pool cannot be decoded, and a longer prompt's pages cannot be received from prefill; "
+        "the unified pool holds 640000 tokens < context length 1048576: a prompt plus its answer longer "
+        "than the pool cannot be held"
+    )
+    alone = audit(serve({"/metrics": sglang_metrics("unified", [30_000], 32_768)}).url).text()
+    assert alone.endswith(": a prompt plus its answer longer than the pool cannot be held")
 
 
 def test_without_metrics_the_audit_reads_server_info(serve: Any) -> None:
@@ -102,6 +128,30 @@ def test_without_metrics_the_audit_reads_server_info(serve: Any) -> None:
     assert report.ok
     proc = minigrid("audit", "--url", server.url, timeout=60)
     assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/", "/metrics"])
+def test_the_openai_base_url_is_read_as_the_server(serve: Any, suffix: str) -> None:
+    """`minigrid probe` and OpenAI clients take http://HOST:PORT/v1: the audit reads that server."""
+    server = serve({"/metrics": sglang_metrics("unified", [500_000], 131_072)})
+    proc = minigrid("audit", "--url", server.url + suffix, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"minigrid audit {server.url}: context length 131072 tokens")
+    assert f"[{server.url}/metrics (sglang)]" in proc.stdout and "/v1" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "root"),
+    [
+        ("http://gw:8080/sglang/v1/", "http://gw:8080/sglang"),
+        ("http://h:30000/v1/metrics", "http://h:30000"),
+        ("http://v1", "http://v1"),  # a host named v1 is not a path
+        ("http://metrics:9090/", "http://metrics:9090"),
+        ("http://h:30000/v10", "http://h:30000/v10"),
+    ],
+)
+def test_server_roots(url: str, root: str) -> None:
+    assert server_root(url) == root
 
 
 def test_a_key_protected_server_asks_for_the_key(serve: Any) -> None:
@@ -187,6 +237,33 @@ def test_public_metrics_and_a_protected_server_info(serve: Any) -> None:
     report = audit(server.url)
     assert report.ok and [v.fixed for v in report.versions] == [None]
     assert "states no version: check it runs 0.5.22 or later" in report.text()
+
+
+@pytest.mark.parametrize(
+    ("engine_type", "info_path", "mode"),
+    [(None, "/server_info", "prefill"), ("unified", "/get_server_info", "decode")],
+)
+def test_gauges_without_a_role_take_it_from_server_info(
+    serve: Any, engine_type: str | None, info_path: str, mode: str
+) -> None:
+    """Older releases label no `engine_type` (or leave it at unified) on a disaggregated server: its
+    role is /server_info's `disaggregation_mode`, and a 0.5.10 prefill or decode server fails."""
+    info = {"version": "0.5.10", "disaggregation_mode": mode, "context_length": 1_048_576}
+    server = serve(
+        {
+            "/metrics": sglang_metrics(engine_type, [2_100_000, 2_100_000], 1_048_576),
+            info_path: (200, json.dumps(info | {"max_total_num_tokens": 2_100_000})),
+        }
+    )
+    proc = minigrid("audit", "--url", server.url, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"  {mode:8s} KV pool 2,100,000 tokens  ok  [{server.url}/metrics (sglang)]" in proc.stdout
+    assert f"  {mode:8s} SGLang 0.5.10 at {server.url}  BEFORE 0.5.22" in proc.stdout
+    assert (
+        f"FAIL: the {mode} server runs SGLang 0.5.10: disaggregated SGLang should run 0.5.22 or later"
+        in proc.stdout
+    )
+    assert "unified" not in proc.stdout and "pool holds" not in proc.stdout
 
 
 def test_a_unified_server_is_not_judged_by_release(serve: Any) -> None:
