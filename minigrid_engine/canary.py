@@ -37,6 +37,7 @@ class Finding:
 
     tenant: str
     foreign_canaries: dict[str, set[str]] = field(default_factory=dict)  # owner -> markers
+    partial: set[str] = field(default_factory=set)  # of those, the markers seen only in part
     longest_foreign_run: int = 0
     longest_foreign_run_owner: str | None = None
     too_fast: bool = False
@@ -80,14 +81,20 @@ class CanaryHarness:
         self.prompts.setdefault(tenant, []).append(prompt)
         return prompt
 
-    def check(self, tenant: str, text: str, runs: bool = True) -> Finding:
+    def check(self, tenant: str, text: str, runs: bool = True, fragment: int | None = None) -> Finding:
         """Another tenant's canaries in `text`; with `runs`, also the longest run of its prompts'
-        text (a search over every prompt sent: leave it off when they are long, as a probe's are)."""
+        text (a search over every prompt sent: leave it off when they are long, as a probe's are).
+
+        With `fragment` N, N characters in a row of another tenant's canary count too (unless they
+        are also in one of `tenant`'s own): an answer that ends, or a page that starts, inside a
+        record holds its code cut short, and a short answer holds no whole record at all."""
         found = set(MARKER.findall(text))
         finding = Finding(tenant)
         for owner, markers in self.canaries.items():
             if owner != tenant and found & markers:
                 finding.foreign_canaries[owner] = found & markers
+        if fragment is not None:
+            self._fragments(finding, text, fragment)
         if not runs:
             return finding
         for owner, prompts in self.prompts.items():
@@ -100,6 +107,21 @@ class CanaryHarness:
         if finding.longest_foreign_run >= self.run_threshold and finding.longest_foreign_run_owner:
             finding.foreign_canaries.setdefault(finding.longest_foreign_run_owner, set())
         return finding
+
+    def _fragments(self, finding: Finding, text: str, n: int) -> None:
+        def pieces(marker: str) -> set[str]:
+            return {marker[i : i + n] for i in range(len(marker) - n + 1)}
+
+        in_text = {text[i : i + n] for i in range(len(text) - n + 1)}
+        own = set().union(*map(pieces, self.canaries.get(finding.tenant, ())))
+        for owner, markers in self.canaries.items():
+            if owner == finding.tenant:
+                continue
+            seen = {m for m in markers if (pieces(m) - own) & in_text}
+            new = seen - finding.foreign_canaries.get(owner, set())
+            if new:
+                finding.foreign_canaries.setdefault(owner, set()).update(new)
+                finding.partial |= new
 
 
 @dataclass

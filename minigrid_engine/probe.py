@@ -44,6 +44,9 @@ from minigrid_engine.errors import MinigridError
 
 DEFAULT_FRACTIONS = (0.25, 0.5, 0.7, 0.85, 1.0)  # of the room a prompt has below the context
 TOO_FAST = 0.5  # a first token under this share of the shortest prompts' median time
+FRAGMENT = 6  # characters in a row of another account's canary that count as a leak
+SHORT_ANSWER = 24  # max_tokens below this: fewer characters than one record holds ("NAME pin CODE; ")
+SHOWN = 5  # leaks (and answers too fast) listed one by one
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class ProbeShot:
     ttft_s: float | None = None  # the first token (None: the server did not stream)
     too_fast: bool = False
     foreign: dict[str, list[str]] = field(default_factory=dict)  # owner -> its canaries in the answer
+    partial: list[str] = field(default_factory=list)  # of those, the ones only part of which is there
     answer: str = ""
 
     @property
@@ -106,6 +110,7 @@ class ProbeReport:
     overhead_tokens: float
     shots: list[ProbeShot] = field(default_factory=list)
     concurrency: int = 1  # prompts in flight at once
+    max_tokens: int = 48  # each answer's length
 
     @property
     def leaks(self) -> list[ProbeShot]:
@@ -177,18 +182,29 @@ class ProbeReport:
                 f"  {target:>13,}  {c['sent']:>5}  {c['200']:>5}  {c['4xx']:>5}  {c['5xx / none']:>8}"
                 f"  {c['leaked']:>6}  {c['too fast']:>8}  {median:>11}"
             )
-        for s in self.leaks[:5]:
-            owners = "; ".join(f"{o}'s {sorted(m)}" for o, m in s.foreign.items())
+        for s in self.leaks[:SHOWN]:
+            owners = "; ".join(
+                f"{o}'s " + ", ".join(f"{c} (in part)" if c in s.partial else c for c in m)
+                for o, m in s.foreign.items()
+            )
             counted = f"{s.prompt_tokens:,}" if s.prompt_tokens is not None else "?"
             lines.append(
                 f"  leak: round {s.round}, {s.tenant}'s {counted}-token prompt got HTTP {s.status} "
-                f"with {owners}"
+                f"with {owners}: {s.answer[:60]!r}"
             )
+        lines += _more(self.leaks, "leaks")
         quick = [s for s in self.too_fast if not s.leaked]
-        for s in quick[:5]:
+        for s in quick[:SHOWN]:
             lines.append(
                 f"  too fast: round {s.round}, {s.tenant}'s {s.target_tokens:,}-token prompt had its first "
                 f"token after {(s.ttft_s or 0) * 1000:.0f} ms"
+            )
+        lines += _more(quick, "answers too fast")
+        if self.max_tokens < SHORT_ANSWER:
+            lines.append(
+                f"  note: answers of {self.max_tokens} tokens are shorter than one record of a prompt: "
+                f"a leak then shows as a fragment ({FRAGMENT} characters of a canary at least) or not "
+                f"at all; the default 48 gives it room"
             )
         if not self.answered:
             lines.append("NOTHING TESTED: no prompt got an answer (HTTP 200)")
@@ -201,7 +217,8 @@ class ProbeReport:
             faults = []
             if self.leaks:
                 faults.append(
-                    f"{len(self.leaks)} answers held another account's canaries: they were built from "
+                    f"{len(self.leaks)} answer{'s' * (len(self.leaks) != 1)} held another account's "
+                    "canaries: they were built from "
                     "other customers' KV pages"
                 )
             if quick:
@@ -222,6 +239,26 @@ class ProbeReport:
         return json.dumps({**asdict(self), **extra}, indent=2)
 
 
+def _said(r: httpx.Response) -> str:
+    """What a non-answer said: its OpenAI error message, or the start of its body."""
+    try:
+        error = r.json().get("error")
+    except (ValueError, AttributeError):
+        error = None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return f"its error: {error['message'][:300]}"
+    body = " ".join(r.text.split())[:120]
+    return f"{r.headers.get('content-type', 'no content type')}: {body!r}" if body else "an empty body"
+
+
+def _more(shots: list[ProbeShot], what: str) -> list[str]:
+    return (
+        [f"  ... and {len(shots) - SHOWN} more {what} (--json lists every answer)"]
+        if len(shots) > SHOWN
+        else []
+    )
+
+
 def _v1(url: str) -> str:
     base = url.rstrip("/")
     return base if base.endswith("/v1") else base + "/v1"
@@ -235,6 +272,7 @@ class Probe:
         self.base = _v1(cfg.url)
         self.harness = CanaryHarness(cfg.seed)
         self.rng = random.Random(cfg.seed)
+        self.stated_context: int | None = None  # /v1/models' max_model_len, read by discover()
 
     def _request(self, method: str, path: str, tenant: str, **kw: Any) -> httpx.Response:
         target = self.base + path
@@ -261,13 +299,15 @@ class Probe:
             cards = [c for c in data or [] if isinstance(c, dict) and isinstance(c.get("id"), str)]
         model = self.cfg.model or (cards[0]["id"] if cards else None)
         if model is None:
+            said = "" if r.status_code == 200 else f": HTTP {r.status_code}, {_said(r)}"
             raise MinigridError(
-                f"{self.base}/models (HTTP {r.status_code}) lists no model: give one with --model"
+                f"{self.base}/models lists no model{said}; is it an OpenAI-compatible server? "
+                "If it is, give the model with --model"
             )
         card = next((c for c in cards if c["id"] == model), {})
         stated = card.get("max_model_len")
-        context = self.cfg.context_length or (stated if isinstance(stated, int) and stated > 0 else None)
-        return model, context
+        self.stated_context = stated if isinstance(stated, int) and stated > 0 else None
+        return model, self.cfg.context_length or self.stated_context
 
     def _body(self, model: str, prompt: str, max_tokens: int) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0}
@@ -302,8 +342,9 @@ class Probe:
         except httpx.HTTPError as exc:  # no answer, or one that broke off: counted, not fatal
             shot.status, shot.code = None, type(exc).__name__
         shot.seconds = time.perf_counter() - t0
-        finding = self.harness.check(shot.tenant, shot.answer, runs=False)
+        finding = self.harness.check(shot.tenant, shot.answer, runs=False, fragment=FRAGMENT)
         shot.foreign = {o: sorted(m) for o, m in finding.foreign_canaries.items()}
+        shot.partial = sorted(finding.partial)
 
     def _read_stream(self, shot: ProbeShot, r: httpx.Response, t0: float) -> None:
         """The events as they come; the text kept piece by piece, so a stream cut off keeps its part."""
@@ -336,8 +377,10 @@ class Probe:
     def calibrate(self, model: str, context: int | None) -> tuple[float, float]:
         """Characters per token and the template's overhead, from two prompts' usage.prompt_tokens."""
         tenant = next(iter(self.cfg.tenants))
-        room = (context or 4096) - 1
+        # within what the server states too: a --context-length above it is probed, not calibrated at
+        room = min(c for c in (context, self.stated_context, 4096) if c) - 1
         sizes = (max(16, min(256, room // 4)), max(32, min(1024, room // 2)))
+        path = self._body(model, "", 1)[0]
         counted = []
         for n in sizes:
             r = self.send(model, tenant, self.harness.prompt(tenant, n, 4), 1)
@@ -345,13 +388,19 @@ class Probe:
                 tokens = r.json()["usage"]["prompt_tokens"]
             except (ValueError, KeyError, TypeError):
                 raise MinigridError(
-                    f"calibration: {self.base} answered HTTP {r.status_code} without usage.prompt_tokens "
-                    f"to a {n}-character prompt: {r.text[:200]!r}"
+                    f"calibration: POST {self.base}{path} with a {n}-character prompt answered HTTP "
+                    f"{r.status_code} without usage.prompt_tokens ({_said(r)}): the probe needs an "
+                    "OpenAI-compatible server that counts a prompt's tokens"
                 ) from None
             counted.append(int(tokens))
         slope = (counted[1] - counted[0]) / (sizes[1] - sizes[0])  # tokens per character
         if slope <= 0:
-            raise MinigridError(f"calibration: {sizes} characters counted as {counted} tokens")
+            raise MinigridError(
+                f"calibration: prompts of {sizes[0]} and {sizes[1]} characters were counted as "
+                f"{counted[0]} and {counted[1]} tokens: usage.prompt_tokens does not grow with the prompt "
+                f"(does something in front of {self.base} rewrite usage?), so prompt lengths cannot be "
+                "set in the server's tokens: point the probe at the server itself"
+            )
         return 1 / slope, counted[0] - sizes[0] * slope
 
     def targets(self, context: int | None) -> list[int]:
@@ -364,20 +413,29 @@ class Probe:
         room = context - self.cfg.max_tokens
         if room < 8:
             raise MinigridError(
-                f"context {context} leaves {room} tokens for a prompt "
-                f"after --max-tokens {self.cfg.max_tokens}"
+                f"--max-tokens {self.cfg.max_tokens} leaves {max(room, 0)} of the context's {context} "
+                f"tokens for a prompt: give --max-tokens {max(1, context - 8)} at most"
             )
         return sorted({max(8, int(room * f)) for f in DEFAULT_FRACTIONS})
 
     def run(self, progress: bool = False) -> ProbeReport:
         model, context = self.discover()
+        targets = self.targets(context)  # before calibration: a --max-tokens over the context is named
         cpt, overhead = self.calibrate(model, context)
-        report = ProbeReport(self.cfg.url, model, context, cpt, overhead, concurrency=self.cfg.concurrency)
+        report = ProbeReport(
+            self.cfg.url,
+            model,
+            context,
+            cpt,
+            overhead,
+            concurrency=self.cfg.concurrency,
+            max_tokens=self.cfg.max_tokens,
+        )
         names = list(self.cfg.tenants)
         plan = [
             (rnd, names[(i + rnd) % len(names)], target)  # each round, the accounts take turns
             for rnd in range(1, self.cfg.rounds + 1)
-            for target in self.targets(context)
+            for target in targets
             for i in range(len(names))
         ]
         prompts = []  # made up front, in plan order: the canaries do not depend on the timing

@@ -19,6 +19,25 @@ def test_foreign_canaries_are_a_leak_own_are_not() -> None:
     assert not clean.leak, clean.explain()
 
 
+def test_a_canary_cut_short_is_a_leak_when_fragments_count() -> None:
+    """An answer that ends inside a record holds its code cut short: 6 characters in a row of it
+    count with `fragment=6`, unless the same 6 are in one of the reader's own codes."""
+    h = CanaryHarness(seed=3)
+    h.prompt("alice", 200, 4)
+    h.prompt("bob", 200, 4)
+    a_code = sorted(h.canaries["alice"])[0]
+    cut = f"BOB pin 12; ALICE key {a_code[:7]}"
+    assert not h.check("bob", cut).leak  # whole codes only, by default
+    finding = h.check("bob", cut, fragment=6)
+    assert finding.foreign_canaries == {"alice": {a_code}} and finding.partial == {a_code}
+    whole = h.check("bob", f"ALICE key {a_code}; ", fragment=6)
+    assert whole.foreign_canaries == {"alice": {a_code}} and not whole.partial
+    b_code = sorted(h.canaries["bob"])[0]
+    h.canaries["alice"].add(b_code[:6] + "QQQQ")  # shares its first 6 with one of bob's own
+    assert not h.check("bob", b_code[:6], fragment=6).leak
+    assert not h.check("bob", a_code[:5], fragment=6).leak  # 5 are too few
+
+
 def test_a_long_run_of_another_tenants_text_is_a_leak_without_canaries() -> None:
     h = CanaryHarness(seed=2, run_threshold=24)
     h.register("alice", "the board meets on friday to approve the merger with globex corp")

@@ -28,6 +28,8 @@ def test_the_probe_finds_the_leak_past_the_pool_and_only_there() -> None:
     with Engine.start(incident_preset(), fixes="none") as eng:
         proc = minigrid("probe", "--url", eng.url, "--tenants", TENANTS, "--json", timeout=300)
         text = minigrid("probe", "--url", eng.url + "/v1", "--tenants", TENANTS, "--rounds", "1", timeout=300)
+        # answers of 20 tokens hold no whole record, so the leak shows as codes cut short
+        short = minigrid("probe", "--url", eng.url, "--tenants", TENANTS, "--max-tokens", "20", timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     assert report["model"] == "minigrid-byte" and report["context_length"] == 1024
@@ -40,8 +42,15 @@ def test_the_probe_finds_the_leak_past_the_pool_and_only_there() -> None:
     for s in leaked:
         other = "bob" if s["tenant"] == "alice" else "alice"
         assert list(s["foreign"]) == [other]
-        assert all(code in s["answer"] for code in s["foreign"][other])
+        for code in s["foreign"][other]:  # whole, or 6 characters of it in a row at least
+            assert code in s["answer"] or (code in s["partial"] and re.search(_pieces(code), s["answer"]))
     assert text.returncode == 1 and "FAIL:" in text.stdout and "leak: round 1" in text.stdout
+    assert short.returncode == 1 and "(in part)" in short.stdout, short.stdout + short.stderr
+    assert "answers of 20 tokens are shorter than one record" in short.stdout
+
+
+def _pieces(code: str) -> str:
+    return "|".join(code[i : i + 6] for i in range(len(code) - 5))
 
 
 @pytest.mark.parametrize(
@@ -85,8 +94,8 @@ class OtherServer:
     streaming (JSON even when asked to stream). With `leaky`, it answers each prompt with the codes
     of the prompt before it, whoever sent that one: the incident's answers, built on stale pages."""
 
-    def __init__(self, leaky: bool) -> None:
-        self.leaky, self.last_prompt = leaky, ""
+    def __init__(self, leaky: bool, cut: int | None = None) -> None:
+        self.leaky, self.cut, self.last_prompt = leaky, cut, ""  # cut: the answer ends inside a code
         self.streamed: list[bool] = []
 
     def models(self, _: Any) -> Route:
@@ -101,6 +110,8 @@ class OtherServer:
         source = self.last_prompt if self.leaky else prompt
         self.last_prompt = prompt
         text = " ".join(re.findall(r"[A-Z0-9]{10}", source)[:3])
+        if self.cut is not None:
+            text = text[: self.cut]
         usage = {"prompt_tokens": tokens, "completion_tokens": 3, "total_tokens": tokens + 3}
         return 200, json.dumps({"object": "text_completion", "choices": [{"text": text}], "usage": usage})
 
@@ -125,6 +136,56 @@ def test_any_openai_server_in_its_own_tokens(serve: Any, leaky: bool) -> None:
     if leaky:  # each answer held the codes of the prompt before it, always another account's
         assert len(leaked) == len(report["shots"])
         assert all(s["tenant"] not in s["foreign"] for s in leaked)
+
+
+def test_a_canary_cut_short_is_still_a_leak(serve: Any) -> None:
+    """An answer that stops 8 characters into another account's code: the stale page is there."""
+    other = OtherServer(leaky=True, cut=8)
+    server = serve({"/v1/models": other.models, "/v1/completions": other.complete})
+    report = probe(ProbeConfig(server.url, {"ops-a": "k1", "ops-b": "k2"}, rounds=1, max_tokens=8))
+    assert len(report.leaks) == len(report.shots) and all(s.partial for s in report.leaks)
+    assert all(len(s.answer) == 8 and s.partial[0].startswith(s.answer) for s in report.leaks)
+    text = report.text()
+    assert "(in part)" in text and "... and 5 more leaks (--json lists every answer)" in text
+    assert "answers of 8 tokens are shorter than one record" in text and "FAIL: 10 answers" in text
+    honest = OtherServer(leaky=False, cut=8)
+    server = serve({"/v1/models": honest.models, "/v1/completions": honest.complete})
+    assert probe(ProbeConfig(server.url, {"ops-a": "k1", "ops-b": "k2"}, rounds=1, max_tokens=8)).ok
+
+
+def test_a_server_that_is_not_openai_compatible_is_named(serve: Any) -> None:
+    html = (404, "<html><body>Error response 404: File not found</body></html>")
+    server = serve(
+        {"/v1/models": html, "/v1/completions": (501, "<html><body>Unsupported method</body></html>")}
+    )
+    proc = minigrid("probe", "--url", server.url, "--tenants", TENANTS, timeout=60)
+    assert proc.returncode == 2 and "/v1/models lists no model: HTTP 404" in proc.stderr, proc.stderr
+    assert "is it an OpenAI-compatible server?" in proc.stderr and "File not found" in proc.stderr
+    named = ("--model", "x", "--context-length", "4096")
+    proc = minigrid("probe", "--url", server.url, "--tenants", TENANTS, *named, timeout=60)
+    assert proc.returncode == 2 and f"POST {server.url}/v1/completions with a" in proc.stderr, proc.stderr
+    assert (
+        "answered HTTP 501 without usage.prompt_tokens" in proc.stderr and "Unsupported method" in proc.stderr
+    )
+    usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    fixed = (200, json.dumps({"choices": [{"text": "x"}], "usage": usage}))  # a proxy rewriting usage
+    server = serve({"/v1/models": OtherServer(False).models, "/v1/completions": fixed})
+    proc = minigrid("probe", "--url", server.url, "--tenants", TENANTS, timeout=60)
+    assert proc.returncode == 2 and "were counted as 3 and 3 tokens" in proc.stderr, proc.stderr
+    proc = minigrid("probe", "--url", server.url, "--tenants", TENANTS, "--max-tokens", "40000", timeout=60)
+    assert "--max-tokens 40000 leaves 0 of the context's 32768 tokens" in proc.stderr, proc.stderr
+
+
+def test_a_context_above_the_stated_one_is_probed_not_calibrated_at(serve: Any) -> None:
+    """--context-length 40000 on a 32,768-token server: calibration stays within what the server
+    takes; the prompts past its context get their 400, which is the right answer."""
+    other = OtherServer(leaky=False)
+    server = serve({"/v1/models": other.models, "/v1/completions": other.complete})
+    cfg = ProbeConfig(server.url, {"ops-a": "k1", "ops-b": "k2"}, rounds=1, context_length=40_000)
+    report = probe(cfg)
+    assert report.ok and report.chars_per_token == pytest.approx(4.0)
+    over = [s for s in report.shots if s.target_tokens + 48 > 32_768]
+    assert over and all(s.status == 400 for s in over)
 
 
 def _shot(target: int, ttft: float | None) -> ProbeShot:
