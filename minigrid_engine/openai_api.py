@@ -80,6 +80,9 @@ INERT = frozenset(
 SAMPLING = frozenset(
     {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options"}
 )
+# stream_options: include_usage asks for a last event with the usage; include_obfuscation asks
+# OpenAI to pad each event against a size side channel, which changes no text and minigrid never does.
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")
 COMPLETION_FIELDS = SAMPLING | {"prompt"} | set(UNSUPPORTED) | INERT
 CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens"} | set(UNSUPPORTED) | INERT
 
@@ -317,11 +320,7 @@ class Bodies:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)
-                ):
+                if not isinstance(part, dict) or part.get("type") != "text":
                     kind = part.get("type") if isinstance(part, dict) else part
                     raise BadRequest(
                         f"'{where}.content[{j}]' is {shown(kind)}: minigrid reads text parts only "
@@ -329,7 +328,17 @@ class Bodies:
                         "unsupported_content",
                         "messages",
                     )
-                texts.append(part["text"])
+                text = part.get("text")
+                if not isinstance(text, str):  # a text part, malformed: say what it lacks
+                    field = f"{where}.content[{j}].text"
+                    if text is None:
+                        raise BadRequest(
+                            f"'{field}' is required: a text part holds its text",
+                            "missing_required_parameter",
+                            field,
+                        )
+                    raise BadRequest(f"'{field}' must be a string, got {shown(text)}", "invalid_type", field)
+                texts.append(text)
             return "".join(texts)
         raise BadRequest(
             f"'{where}.content' must be a string or a list of text parts, got {shown(content)}",
@@ -371,24 +380,50 @@ class Bodies:
 
     @staticmethod
     def _include_usage(options: Any, stream: bool) -> bool:
+        """`stream_options`: whether the stream ends with a usage event. Its unknown keys are
+        refused by name, as the body's are."""
         if options is None:
             return False
         if not stream:
             raise BadRequest(
                 "'stream_options' is only allowed with \"stream\": true", "invalid_value", "stream_options"
             )
-        usage = options.get("include_usage", False) if isinstance(options, dict) else None
-        if not isinstance(usage, bool):
+        if not isinstance(options, dict):
             raise BadRequest(
                 f"'stream_options' must be an object like {{\"include_usage\": true}}, got {shown(options)}",
                 "invalid_type",
                 "stream_options",
             )
-        return usage
+        unknown = sorted(k for k in options if k not in STREAM_OPTIONS)
+        if unknown:
+            raise BadRequest(
+                f"unrecognized request argument supplied: {shown(unknown[0])} is not a field of "
+                f"stream_options, which holds {' and '.join(STREAM_OPTIONS)}",
+                "unknown_parameter",
+                f"stream_options.{unknown[0][:60]}",
+            )
+        for name in STREAM_OPTIONS:
+            value = options.get(name)
+            if value is not None and not isinstance(value, bool):
+                raise BadRequest(
+                    f"'stream_options.{name}' must be a boolean, got {shown(value)}",
+                    "invalid_type",
+                    f"stream_options.{name}",
+                )
+        return bool(options.get("include_usage"))
 
 
 # -- what goes back -----------------------------------------------------------------------
 CHAT, TEXT = "chat", "text"
+
+
+def error_param(kind: str, code: str | None) -> str | None:
+    """The `param` of a worker's refusal. A worker knows the prompt only as token ids: a prompt
+    too large for a KV pool (`context_length_exceeded`) is named as the router's own length check
+    names it, `prompt` or (chat) `messages`."""
+    if code == "context_length_exceeded":
+        return "messages" if kind == CHAT else "prompt"
+    return None
 
 
 def usage(result: Result) -> dict[str, int]:

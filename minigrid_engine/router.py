@@ -983,7 +983,7 @@ class Router:
             if work.done() and work.result().status != 200:
                 if first is not None:
                     first.cancel()
-                return failure(work.result())
+                return failure(work.result(), kind)
             if tokens is None or first is None:
                 result = work.result()
                 answered(result)
@@ -998,13 +998,14 @@ class Router:
         def failed(result: Result) -> None:
             router.requests_total.labels("rejected" if result.status < 500 else "aborted").inc()
 
-        def failure(result: Result) -> JSONResponse:
+        def failure(result: Result, kind: str) -> JSONResponse:
             failed(result)
             return api_error(
                 result.status,
                 result.error or "request failed",
                 result.error_type or "server_error",
                 result.code,
+                oai.error_param(kind, result.code),
                 headers=router.retry_headers(result.code) if result.status == 503 else None,
             )
 
@@ -1046,7 +1047,7 @@ class Router:
                 if result.status != 200:
                     failed(result)
                     message, type_ = result.error or "request failed", result.error_type or "server_error"
-                    yield oai.sse(error_body(message, type_, result.code))
+                    yield oai.sse(error_body(message, type_, result.code, oai.error_param(kind, result.code)))
                 else:
                     answered(result)
                     tail = text.finish(result.output_ids)

@@ -138,6 +138,35 @@ def test_bad_bodies_get_openai_style_400(incident: Engine, body: dict, param: st
     assert err["code"] == code and err["param"] == param and err["type"] == "invalid_request_error"
 
 
+def test_a_pools_refusal_names_the_param_the_routers_check_names() -> None:
+    """The prefill pool's refusal (`reject-before-transfer`) and the decode pool's (a request
+    larger than the whole pool) are made in the workers, which see token ids only; the 400 names
+    the prompt's field as the router's own length check does (above): `prompt` for completions,
+    `messages` for chat, streamed or not."""
+    cfg = incident_preset(decode_pool_tokens=768, tenants={"bob": "sk-bob"})  # prefill pool: 665
+    refusals = [  # (prompt, max_tokens, what the refusal says): both fit the context of 1024
+        ("x" * 700, 16, "This prompt of 700 tokens does not fit the prefill KV pool of 665 tokens"),
+        ("x" * 600, 200, "needs 800 tokens of decode KV (600 prompt + 200 max_tokens)"),
+    ]
+    endpoints = [
+        ("/v1/completions", lambda text: {"prompt": text}, "prompt"),
+        ("/v1/chat/completions", lambda text: {"messages": [{"role": "user", "content": text}]}, "messages"),
+    ]
+    with (
+        Engine.start(cfg, fixes="reject-before-transfer") as eng,
+        httpx.Client(base_url=eng.url, headers={"Authorization": "Bearer sk-bob"}, timeout=60) as http,
+    ):
+        for text, max_tokens, message in refusals:
+            for path, body, param in endpoints:
+                for stream in (False, True):
+                    r = http.post(path, json={**body(text), "max_tokens": max_tokens, "stream": stream})
+                    assert r.status_code == 400, r.text
+                    err = r.json()["error"]
+                    assert err["code"] == "context_length_exceeded" and err["param"] == param, err
+                    assert message in err["message"], err
+        assert eng.metrics()['minigrid_kv_pages_in_use{role="decode"}'] == 0
+
+
 def test_official_openai_client_works_unchanged(incident: Engine) -> None:
     client = openai.OpenAI(base_url=f"{incident.url}/v1", api_key="sk-alice", max_retries=0)
     assert [m.id for m in client.models.list().data] == [MODEL_ID]

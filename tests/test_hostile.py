@@ -147,7 +147,19 @@ FIELDS: dict[str, tuple[Any, int, str, str | None]] = {
         {"prompt": "hi", "stream": True, "stream_options": [1]},
         400,
         "invalid_type",
-        None,
+        "stream_options",
+    ),
+    "stream_options unknown foo": (
+        {"prompt": "hi", "stream": True, "stream_options": {"include_usage": True, "foo": 1}},
+        400,
+        "unknown_parameter",
+        "stream_options.foo",
+    ),
+    "stream_options include_usage string": (
+        {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}},
+        400,
+        "invalid_type",
+        "stream_options.include_usage",
     ),
     "stop int": ({"prompt": "hi", "stop": 5}, 400, "invalid_type", "stop"),
     "stop list of ints": ({"prompt": "hi", "stop": [10]}, 400, "invalid_type", "stop"),
@@ -220,8 +232,18 @@ CHAT_FIELDS: dict[str, tuple[Any, int, str, str | None]] = {
     "text part without text": (
         {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
         400,
-        "unsupported_content",
-        "messages",
+        "missing_required_parameter",
+        "messages[0].content[0].text",
+    ),
+    "text part with a number": (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": 5}]}
+            ]
+        },
+        400,
+        "invalid_type",
+        "messages[0].content[1].text",
     ),
     "only empty content": (
         {"messages": [{"role": "user", "content": ""}]},
@@ -508,6 +530,12 @@ def test_the_defaults_clients_send_for_unsupported_parameters_are_accepted(http:
     }
     r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, **offs}, headers=ALICE)
     assert r.status_code == 200, r.text
+    # both of OpenAI's stream_options; obfuscation pads events, and minigrid sends none either way
+    options = {"include_usage": None, "include_obfuscation": False}
+    body = {"prompt": PROMPT, "max_tokens": 3, "stream": True, "stream_options": options}
+    r = http.post("/v1/completions", json=body, headers=ALICE)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text
+    assert '"usage"' not in r.text  # include_usage null: as left out
     chat = {
         "tools": [],
         "tool_choice": "none",

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from minigrid_engine.config import corrected_preset
 from minigrid_engine.errors import MinigridError
 from minigrid_engine.handle import Engine, EngineRefused
-from minigrid_engine.openai_api import BadRequest, Bodies, TextStream, chat_prompt
+from minigrid_engine.openai_api import CHAT, TEXT, BadRequest, Bodies, TextStream, chat_prompt, error_param
 from minigrid_engine.request import Request
 from minigrid_engine.tokenizer import ByteTokenizer
 
@@ -106,6 +106,22 @@ def test_chat_prompt_ends_on_the_last_message() -> None:
         bodies.stops(list("abcde"))
     with pytest.raises(BadRequest, match="a stop sequence holds a character that is not encodable"):
         bodies.stops(["ok", "\ud800"])
+
+
+def test_a_workers_refusal_names_the_field_the_routers_length_check_names() -> None:
+    """A KV pool's refusal (made in a worker, which sees token ids only) and the router's own
+    context check name one param per endpoint; tests/test_disaggregated.py sees both over HTTP."""
+    bodies = Bodies(1024, ByteTokenizer())
+    long = "x" * 1020
+    with pytest.raises(BadRequest) as text:
+        bodies.completion({"prompt": long})
+    with pytest.raises(BadRequest) as chat:
+        bodies.chat({"messages": [{"role": "user", "content": long}]})
+    assert text.value.code == chat.value.code == "context_length_exceeded"
+    assert (text.value.param, chat.value.param) == ("prompt", "messages")
+    assert error_param(TEXT, text.value.code) == "prompt"
+    assert error_param(CHAT, chat.value.code) == "messages"
+    assert error_param(CHAT, "prefill_failed") is None  # a server fault is about no field
 
 
 def test_response_ids_stay_unique_across_server_restarts() -> None:
