@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from minigrid_engine.canary import CanaryHarness, Finding, TTFTFloor
+from minigrid_engine.errors import MinigridError
 from minigrid_engine.forensics import AffectedResponse, affected_responses, pages_read
 from minigrid_engine.handle import Reply
 from minigrid_engine.records import record_prompt
@@ -105,6 +106,7 @@ def run_incident(
     """Run the scenario; with `attempts` > 1, run it again (new prompts, next seed) until the answer
     shows the victim's text. Every attempt reads the victim's pages; whether a 0.6 M-parameter
     model turns them into readable secrets within a few tokens is a matter of luck (about 4 in 5)."""
+    _check_sizes(engine, context_length=context_length, prefill_pool_tokens=prefill_pool_tokens)
     report = None
     for i in range(attempts):
         report = _incident_once(
@@ -124,6 +126,22 @@ def run_incident(
             break
     assert report is not None
     return report
+
+
+def _check_sizes(engine: Handle, **given: int) -> None:
+    """The sizes a scenario's prompts are cut to, against those the engine states (a handle with
+    `config()`): numbers that disagree make prompts that test nothing, or a 400 that looks like a fix."""
+    read = getattr(engine, "config", None)
+    try:
+        stated = read() if callable(read) else {}
+    except MinigridError:  # a view this key may not open: nothing to compare with
+        return
+    wrong = [f"{k}={v:,} (the engine has {stated[k]:,})" for k, v in given.items() if stated.get(k, v) != v]
+    if wrong:
+        raise MinigridError(
+            "the scenario was given " + ", ".join(wrong) + ": pass the engine's own numbers "
+            "(engine.config() states them)"
+        )
 
 
 def _incident_once(
@@ -212,6 +230,7 @@ def run_late_transfer(
        per worker) and decodes for a long time;
     3. the late transfer lands in the pages decode gave back, if they were given back.
     """
+    _check_sizes(engine, context_length=context_length)
     rng = random.Random(seed)
     slow_prompt = record_prompt(slow_tenant, slow_len or context_length // 2 + 64, rng, 6)
     vlen = victim_len or context_length // 2
@@ -307,6 +326,7 @@ def replay_day(
 
     if requests < 1 or not 0 <= long_share <= 1:
         raise ValueError(f"a day needs requests >= 1 and 0 <= long_share <= 1 (got {requests}, {long_share})")
+    _check_sizes(engine, context_length=context_length, prefill_pool_tokens=prefill_pool_tokens)
     rng = random.Random(seed)
     canaries = CanaryHarness(seed)
     longest = context_length - max_tokens  # the longest prompt the API accepts with its answer
