@@ -189,6 +189,9 @@ class ModelCheckResult:
     complete: bool = True  # False if max_states cut the search short
     edges: set[tuple[State, State]] = field(default_factory=set)
     violation_states: list[World] | None = None  # the state after each step of `violation`
+    # requests stubbed (longer than the prefill pool) with no fix on the read's way: a verdict of
+    # safe then owes to the pool's order for these requests, not to the protocol
+    stubbed_unguarded: tuple[str, ...] = ()
 
     @property
     def safe(self) -> bool:
@@ -222,6 +225,7 @@ class ModelCheckResult:
             "states_explored": self.states_explored,
             "transitions": self.transitions,
             "violation_kind": self.violation_kind,
+            "stubbed_unguarded": list(self.stubbed_unguarded),
             "violation": None
             if self.violation is None
             else [
@@ -239,6 +243,14 @@ class ModelCheckResult:
             lines.append("  search cut short at max_states: no verdict")
         if self.violation is None and self.complete:
             lines.append("  no violation: isolation holds in every reachable state")
+            if self.stubbed_unguarded:
+                lines.append(
+                    f"  note: {', '.join(self.stubbed_unguarded)} took the stub path (more pages than the "
+                    "prefill pool) with no fix in the way, yet no read found another tenant's page: with "
+                    "these requests the pool's order (the last page freed is the first given) never hands "
+                    "one over that the stub did not overwrite. Another mix of --requests may: this verdict "
+                    "holds for these requests only."
+                )
         elif self.violation is None:
             lines.append("  no violation in the states explored before the search stopped")
         else:
@@ -718,6 +730,16 @@ def check_protocol(scenario: Scenario = INCIDENT, fixes: Fixes | None = None) ->
         return result
     finally:
         result.states_explored = len(parent)  # however the search ended
+        if result.safe and not (
+            fixes.reject_before_transfer
+            or fixes.coverage_check
+            or fixes.kv_checksum
+            or fixes.scrub_on_free
+            or fixes.owner_check
+        ):
+            result.stubbed_unguarded = tuple(
+                r.name for r in scenario.requests if r.pages > scenario.prefill_pages
+            )
 
 
 SINGLE_FIXES: tuple[str, ...] = (

@@ -7,7 +7,15 @@ from dataclasses import replace
 import pytest
 
 from minigrid_engine.fixes import Fixes
-from minigrid_engine.protocol import COMBINED, INCIDENT, LATE_TRANSFER, check_protocol, fix_table
+from minigrid_engine.protocol import (
+    COMBINED,
+    INCIDENT,
+    LATE_TRANSFER,
+    check_protocol,
+    fix_table,
+    make_scenario,
+    parse_requests,
+)
 from minigrid_engine.request import TRANSITIONS
 
 FIXED = replace(Fixes.all(), capacity_check=False)  # capacity-check alone refuses to start
@@ -65,3 +73,19 @@ def test_model_edges_are_engine_edges() -> None:
             assert r.edges
             for old, new in r.edges:
                 assert new in TRANSITIONS[old], (old, new)
+
+
+def test_a_safe_verdict_with_an_unguarded_stub_says_it_holds_for_these_requests_only() -> None:
+    """dora's one page, freed last, is the page the stub overwrites: no stale read with these
+    requests, though nothing but the pool's order stops one (dora:2 shows it)."""
+    lucky = make_scenario(
+        INCIDENT, requests=parse_requests("dora:1,eli:4"), prefill_pages=3, decode_pages=6, context_pages=4
+    )
+    r = check_protocol(lucky, Fixes.none())
+    assert r.safe and r.stubbed_unguarded == ("eli-2",), r.format()
+    assert "eli-2 took the stub path" in r.format() and "holds for these requests only" in r.format()
+    assert r.to_dict()["stubbed_unguarded"] == ["eli-2"]
+    unlucky = replace(lucky, requests=parse_requests("dora:2,eli:4"))
+    assert check_protocol(unlucky, Fixes.none()).violation_kind == "stale-read"
+    guarded = check_protocol(lucky, replace(Fixes.none(), owner_check=True))
+    assert guarded.safe and not guarded.stubbed_unguarded and "note:" not in guarded.format()
