@@ -82,6 +82,7 @@ class Recovery:
     last_failure: WorkerFailure | None = None
     note: str | None = None  # what the router is doing, or did, about the last failure
     last_restart_s: float | None = None  # how long the last successful restart took
+    first_start_s: float | None = None  # how long the engine's first start of its workers took
 
     def why_not_restart(self) -> str | None:
         """Why the router will not restart its workers now (one plain sentence), or None."""
@@ -164,10 +165,14 @@ class Recovery:
         return None
 
     def retry_after_s(self) -> int:
-        """Seconds a client should wait (the `Retry-After` header): the last restart's time."""
-        if self.last_restart_s is None:
+        """Seconds a client should wait (the `Retry-After` header): what is left of a restart that
+        takes as long as the last one did, or before any, as long as the workers' first start."""
+        took = self.last_restart_s if self.last_restart_s is not None else self.first_start_s
+        if took is None:
             return DEFAULT_RETRY_AFTER_S
-        return max(1, math.ceil(self.last_restart_s))
+        if self.status is Status.RESTARTING and self.began:
+            took -= self.clock() - self.began[-1]
+        return max(1, math.ceil(took))
 
     def to_dict(self) -> dict[str, Any]:
         """The part of `/health` about failures: restarts, last_failure, recovery."""

@@ -319,9 +319,12 @@ class Router:
     def start_workers(self, timeout_s: float = 120) -> None:
         """Start every worker (local ones spawned, remote ones awaited) and wait for each Ready.
         A port taken between the router's pick and the worker's bind is retried on fresh ports."""
+        t0 = time.monotonic()
         for attempt in range(1, PORT_TRIES + 1):
             try:
                 self._launch(timeout_s)
+                if self.generation == 1:  # a restart's first estimate (Retry-After)
+                    self.recovery.first_start_s = time.monotonic() - t0
                 return
             except PortInUse as exc:
                 if attempt == PORT_TRIES or self.cfg.remote:

@@ -25,7 +25,7 @@ from minigrid_engine.config import incident_preset
 from minigrid_engine.errors import ConfigError
 from minigrid_engine.handle import Engine, Reply, stop_process
 from minigrid_engine.records import record_prompt
-from minigrid_engine.recovery import Recovery, Status, WorkerFailure
+from minigrid_engine.recovery import DEFAULT_RETRY_AFTER_S, Recovery, Status, WorkerFailure
 from minigrid_engine.router import Router, free_port
 from minigrid_engine.scenario import codes_in, record_codes
 
@@ -62,6 +62,22 @@ def test_a_death_restarts_until_the_limit_then_the_engine_is_down() -> None:
     assert code == "engine_down" and "the engine is down after the decode worker died" in message
     assert r.to_dict()["last_failure"]["worker"] == "decode-0"
     assert r.to_dict()["last_failure"]["at"].endswith("Z")
+
+
+def test_retry_after_counts_down_from_the_time_a_start_took() -> None:
+    """Before any restart, a client is told the workers' first start; during one, what is left."""
+    now = [100.0]
+    r = Recovery(limit=2, clock=lambda: now[0])
+    assert r.retry_after_s() == DEFAULT_RETRY_AFTER_S  # nothing timed yet
+    r.first_start_s = 7.3  # 2 x 2 workers on a busy 2-core machine
+    assert r.retry_after_s() == 8
+    assert r.on_failure(KILLED)
+    now[0] += 3.0
+    assert r.retry_after_s() == 5 and "retry in about 5 s" in (r.refusal() or ("", ""))[1]
+    now[0] += 30.0
+    assert r.retry_after_s() == 1  # late: soon, never 0 or less
+    r.restarted(10.2)
+    assert r.retry_after_s() == 11  # the last restart's time wins over the first start's
 
 
 def test_restarts_older_than_the_window_no_longer_count() -> None:
