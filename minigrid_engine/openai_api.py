@@ -16,6 +16,7 @@ from __future__ import annotations
 import codecs
 import json
 import secrets
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,14 +161,11 @@ class Bodies:
     def _object(self, body: Any, fields: frozenset[str], endpoint: str) -> None:
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
-        unknown = sorted(k for k in body if k not in fields)
-        if unknown:
-            raise BadRequest(
-                f"unrecognized request argument supplied: {shown(unknown[0])} is not a parameter of "
-                f"{endpoint} (minigrid refuses what it does not know rather than ignore it)",
-                "unknown_parameter",
-                unknown[0][:60],
-            )
+        _refuse_unknown(
+            body,
+            fields,
+            f"a parameter of {endpoint} (minigrid refuses what it does not know rather than ignore it)",
+        )
         if "model" in body:
             if not isinstance(body["model"], str):
                 raise BadRequest(
@@ -394,14 +392,12 @@ class Bodies:
                 "invalid_type",
                 "stream_options",
             )
-        unknown = sorted(k for k in options if k not in STREAM_OPTIONS)
-        if unknown:
-            raise BadRequest(
-                f"unrecognized request argument supplied: {shown(unknown[0])} is not a field of "
-                f"stream_options, which holds {' and '.join(STREAM_OPTIONS)}",
-                "unknown_parameter",
-                f"stream_options.{unknown[0][:60]}",
-            )
+        _refuse_unknown(
+            options,
+            STREAM_OPTIONS,
+            f"a field of stream_options, which holds {' and '.join(STREAM_OPTIONS)}",
+            "stream_options.",
+        )
         for name in STREAM_OPTIONS:
             value = options.get(name)
             if value is not None and not isinstance(value, bool):
@@ -411,6 +407,17 @@ class Bodies:
                     f"stream_options.{name}",
                 )
         return bool(options.get("include_usage"))
+
+
+def _refuse_unknown(given: dict[str, Any], known: Collection[str], what: str, param: str = "") -> None:
+    """The first key of `given` that is not `known`, refused by name (as OpenAI does), not ignored."""
+    unknown = sorted(k for k in given if k not in known)
+    if unknown:
+        raise BadRequest(
+            f"unrecognized request argument supplied: {shown(unknown[0])} is not {what}",
+            "unknown_parameter",
+            param + unknown[0][:60],
+        )
 
 
 # -- what goes back -----------------------------------------------------------------------
