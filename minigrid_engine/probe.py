@@ -4,8 +4,10 @@ OpenAI-compatible deployment (a minigrid engine, SGLang, vLLM, a gateway in fron
 It is the content test INCIDENT.md says the launch lacked, run the way Cloudflare verified its fix:
 two or more accounts take turns sending prompts made of their own canaries (`canary.py`), at
 lengths spread up to the context, and every answer is searched for another account's canaries. An
-answer holding one was built from another customer's KV pages. A 400 for an over-long prompt is
-the correct answer and counts as such; a 200 is only as good as its content.
+answer holding one was built from another customer's KV pages; so was one holding 6 characters in a
+row of one (an answer that stops, or a stale page that starts, inside a record cuts its code short).
+A 400 for an over-long prompt is the correct answer and counts as such; a 200 is only as good as its
+content.
 
 Nothing here reads the engine's internals: only `/v1/models` (the model and its `max_model_len`)
 and the completions the accounts get. Prompt lengths are set in the server's own tokens: two
@@ -204,7 +206,7 @@ class ProbeReport:
             lines.append(
                 f"  note: answers of {self.max_tokens} tokens are shorter than one record of a prompt: "
                 f"a leak then shows as a fragment ({FRAGMENT} characters of a canary at least) or not "
-                f"at all; the default 48 gives it room"
+                f"at all; --max-tokens 48 (the default) gives it room"
             )
         if not self.answered:
             lines.append("NOTHING TESTED: no prompt got an answer (HTTP 200)")
