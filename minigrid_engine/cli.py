@@ -12,10 +12,12 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
 from minigrid_engine.errors import MinigridError
 
@@ -36,6 +38,13 @@ _UNITS = {
     "tb": 10**12,
     "tib": 2**40,
 }
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument said in one line: the usage block is what --help is for."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
 
 
 def parse_bytes(text: str) -> int:
@@ -362,7 +371,8 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         abort_rate=args.abort_rate,
         max_tokens=args.max_tokens,
     )
-    report = fuzz(base.with_(**changes), campaign, progress=not args.json)
+    # a bar only for a person watching, as probe draws it: not into a log or a pipe
+    report = fuzz(base.with_(**changes), campaign, progress=not args.json and sys.stderr.isatty())
     print(report.to_json() if args.json else report.table())
     return 0 if report.isolated else 1
 
@@ -371,7 +381,9 @@ def cmd_faults(args: argparse.Namespace) -> int:
     from minigrid_engine.fault_campaign import run_campaign, select
 
     cases = select(args.only)  # a ConfigError (exit 2) names the cases on a typo
-    report = run_campaign(cases, progress=not args.json, restart_wait_s=args.restart_wait)
+    report = run_campaign(
+        cases, progress=not args.json and sys.stderr.isatty(), restart_wait_s=args.restart_wait
+    )
     text = report.to_json()
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -429,7 +441,7 @@ def cmd_check_protocol(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="minigrid", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="minigrid", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser("generate", help="complete one prompt in a single process")
@@ -723,8 +735,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"minigrid {args.command}: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C; SIGTERM while serve starts its workers (serve.Terminated)
+        return 128 + int(getattr(exc, "signum", signal.SIGINT))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ import importlib.util
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Callable, Sequence
+from dataclasses import InitVar, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from minigrid_engine.errors import ConfigError, counted
@@ -38,6 +39,21 @@ def _whole(name: str, value: object, minimum: int = 1) -> int:
     if value < minimum:
         raise ConfigError(f"{name} must be at least {minimum}, got {value}")
     return value
+
+
+# How the command line spells a setting, where `--` + its name with dashes does not say it.
+_FLAGS = {"release_timeout_s": "--release-timeout", "worker_restart_window_s": "--worker-restart-window"}
+_NO_FLAG = ("worker_threads", "trace_maxlen", "weights")  # set in code or a config file only
+
+
+def _flag(name: str) -> str:
+    """A setting as the command line names it: --context-length (one with no flag: its name)."""
+    return name if name in _NO_FLAG else _FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+def _key(name: str) -> str:
+    """A setting as a config file (JSON) names it: "context_length"."""
+    return f'"{name}"'
 
 
 ADMIN = "admin"  # who the admin key is, in the router and the handle: no tenant may be called that
@@ -113,61 +129,75 @@ class ServeConfig:
     inject: tuple[str, ...] = ()  # fault injections (faults.py), for tests and labs only
     worker_restarts: int = 3  # times the router restarts its workers after one dies (0: never) ...
     worker_restart_window_s: float = DEFAULT_RESTART_WINDOW_S  # ... within any this many seconds
+    # How the errors below name a setting: "flag" (--context-length) or "key" ("context_length",
+    # for settings read from a JSON file: `from_json`). Not a setting itself.
+    said_as: InitVar[str] = "flag"
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, said_as: str) -> None:
+        spell: Callable[[str], str] = _key if said_as == "key" else _flag
         # A config file (`--config`) can hold any JSON: strings first, so later checks can use them.
-        for name in ("host", "transfer_host", "worker_listen", "device", "attention", "admin_key"):
-            value = getattr(self, name)
-            if not isinstance(value, str) and not (name == "admin_key" and value is None):
-                raise ConfigError(f"--{name.replace('_', '-')} must be a string, got {value!r}")
-        _whole("--port", self.port, 0)
+        for setting in ("host", "transfer_host", "worker_listen", "device", "attention", "admin_key"):
+            value = getattr(self, setting)
+            if not isinstance(value, str) and not (setting == "admin_key" and value is None):
+                raise ConfigError(f"{spell(setting)} must be a string, got {value!r}")
+        _whole(spell("port"), self.port, 0)
         if self.port > 65535:
-            raise ConfigError(f"--port {self.port} is not a TCP port (0-65535)")
-        _whole("--context-length", self.context_length)
-        _whole("--page-size", self.page_size)
+            raise ConfigError(f"{spell('port')} {self.port} is not a TCP port (0-65535)")
+        _whole(spell("context_length"), self.context_length)
+        _whole(spell("page_size"), self.page_size)
         if self.page_size > MAX_PAGE_SIZE:
-            raise ConfigError(f"--page-size {self.page_size}: at most {MAX_PAGE_SIZE} tokens per page")
-        _whole("worker_threads", self.worker_threads)
-        _whole("trace_maxlen", self.trace_maxlen)
+            raise ConfigError(
+                f"{spell('page_size')} {self.page_size}: at most {MAX_PAGE_SIZE} tokens per page"
+            )
+        _whole(spell("worker_threads"), self.worker_threads)
+        _whole(spell("trace_maxlen"), self.trace_maxlen)
         if self.weights is not None and not isinstance(self.weights, str):
-            raise ConfigError(f"weights must be the path of a weights file, got {self.weights!r}")
+            raise ConfigError(f"{spell('weights')} must be the path of a weights file, got {self.weights!r}")
         if self.weights is not None and not os.path.isfile(self.weights):
             raise ConfigError(
                 f"model weights not found at {self.weights}: "
                 "run `python -m minigrid_engine.train` to make them"
             )
-        _whole("--prefill-pool-tokens", self.prefill_pool_tokens)
-        _whole("--decode-pool-tokens", self.decode_pool_tokens)
-        _whole("--max-batch", self.max_batch)
+        _whole(spell("prefill_pool_tokens"), self.prefill_pool_tokens)
+        _whole(spell("decode_pool_tokens"), self.decode_pool_tokens)
+        _whole(spell("max_batch"), self.max_batch)
         for role in ROLES:
             tokens = self.pool_tokens(role)
             if tokens < self.page_size:
                 raise ConfigError(
-                    f"--{role}-pool-tokens {tokens} is smaller than one page of {self.page_size} tokens"
+                    f"{spell(f'{role}_pool_tokens')} {tokens} is smaller than one page of "
+                    f"{self.page_size} tokens"
                 )
         for role, n in (("prefill", self.prefill_workers), ("decode", self.decode_workers)):
-            _whole(f"--{role}-workers", n)
+            _whole(spell(f"{role}_workers"), n)
             if n > MAX_WORKERS_PER_ROLE:
-                raise ConfigError(f"--{role}-workers {n}: at most {MAX_WORKERS_PER_ROLE} workers per role")
+                raise ConfigError(
+                    f"{spell(f'{role}_workers')} {n}: at most {MAX_WORKERS_PER_ROLE} workers per role"
+                )
         for role in self.remote:
             if role not in ROLES:
-                raise ConfigError(f"--remote {role!r}: choose prefill or decode")
+                raise ConfigError(f"{spell('remote')} {role!r}: choose prefill or decode")
         if len(set(self.remote)) == len(ROLES):
-            raise ConfigError("--remote names both roles: the router's host runs at least one of them")
+            raise ConfigError(
+                f"{spell('remote')} names both roles: the router's host runs at least one of them"
+            )
         host, sep, port = self.worker_listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
-            raise ConfigError(f"--worker-listen {self.worker_listen!r} must be HOST:PORT, e.g. 10.0.0.1:7100")
+            raise ConfigError(
+                f"{spell('worker_listen')} {self.worker_listen!r} must be HOST:PORT, e.g. 10.0.0.1:7100"
+            )
         if self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"--device {self.device!r}: choose cpu or cuda")
+            raise ConfigError(f"{spell('device')} {self.device!r}: choose cpu or cuda")
         if self.attention not in ("torch", "triton"):
-            raise ConfigError(f"--attention {self.attention!r}: choose torch or triton")
+            raise ConfigError(f"{spell('attention')} {self.attention!r}: choose torch or triton")
         if self.attention == "triton" and importlib.util.find_spec("triton") is None:
             raise ConfigError(
-                "--attention triton: Triton is not installed (pip install 'minigrid[kernels]'); "
-                "use --attention torch"
+                f"{spell('attention')} triton: Triton is not installed (pip install 'minigrid[kernels]'); "
+                f"use {spell('attention')} torch"
             )
         if not self.tenants:
-            raise ConfigError("at least one tenant is needed (--tenants NAME:KEY)")
+            example = '"tenants": {"NAME": "KEY"}' if said_as == "key" else "--tenants NAME:KEY"
+            raise ConfigError(f"at least one tenant is needed ({example})")
         for name, key in self.tenants.items():
             if not isinstance(name, str) or not name.strip() or name != name.strip():
                 raise ConfigError(f"tenant name {name!r}: give a name without spaces around it")
@@ -181,13 +211,14 @@ class ServeConfig:
             check_key_text(f"the API key of tenant {name!r}", key)
             if name == ADMIN:
                 raise ConfigError(
-                    f"a tenant may not be called {ADMIN!r}: the name stands for the admin key (--admin-key)"
+                    f"a tenant may not be called {ADMIN!r}: the name stands for the admin key "
+                    f"({spell('admin_key')})"
                 )
         check_admin_key(self.tenants, self.admin_key)
-        _whole("--worker-restarts", self.worker_restarts, 0)
+        _whole(spell("worker_restarts"), self.worker_restarts, 0)
         if self.worker_restarts > MAX_WORKER_RESTARTS:
             raise ConfigError(
-                f"--worker-restarts {self.worker_restarts}: at most {MAX_WORKER_RESTARTS} "
+                f"{spell('worker_restarts')} {self.worker_restarts}: at most {MAX_WORKER_RESTARTS} "
                 "(0 turns restarts off)"
             )
         window = self.worker_restart_window_s
@@ -197,12 +228,14 @@ class ServeConfig:
             or not 1 <= window <= MAX_RESTART_WINDOW_S
         ):
             raise ConfigError(
-                f"--worker-restart-window {window!r} must be between 1 and "
+                f"{spell('worker_restart_window_s')} {window!r} must be between 1 and "
                 f"{MAX_RESTART_WINDOW_S:g} seconds (a week)"
             )
         timeout = self.release_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 3600:
-            raise ConfigError(f"--release-timeout {timeout!r} must be a number of seconds between 0 and 3600")
+            raise ConfigError(
+                f"{spell('release_timeout_s')} {timeout!r} must be a number of seconds between 0 and 3600"
+            )
 
     def workers(self, role: str) -> int:
         """How many worker processes `role` has."""
@@ -220,6 +253,26 @@ class ServeConfig:
         return (
             f"the {role} KV pool holds {counted(tokens, 'token')}, fewer than the context length of "
             f"{counted(self.context_length, 'token')}"
+        )
+
+    def capacity_refusal(self, roles: Sequence[str]) -> str | None:
+        """What fix `capacity-check` says of `roles`' pools where they cannot hold a full
+        context: one sentence for all of them, each pool and its flag named; None when all can."""
+        short = [role for role in roles if self.short_of_context(role)]
+        if not short:
+            return None
+        pools = " and the ".join(
+            f"{role} KV pool" + (" holds" if i == 0 else "") + f" {counted(self.pool_tokens(role), 'token')}"
+            for i, role in enumerate(short)
+        )
+        flags = " and ".join(f"--{role}-pool-tokens" for role in short)
+        # the corrected preset changes the prefill pool only: worth naming when that is what is short
+        hint = " (--preset corrected)" if "prefill" in short and self.corrected_fits else ""
+        return (
+            f"capacity-check: the {pools}, fewer than the context length of "
+            f"{counted(self.context_length, 'token')}: a valid prompt would not fit. Raise {flags} to "
+            f"at least {self.context_length}{hint} or lower --context-length; --fixes none runs the "
+            "faulty configuration on purpose."
         )
 
     @property
@@ -264,17 +317,17 @@ class ServeConfig:
                 f"unknown setting(s) {', '.join(unknown)}: see minigrid_engine.config.ServeConfig"
             )
         if "fixes" in d:
-            d["fixes"] = parse_fixes(d["fixes"])
+            d["fixes"] = parse_fixes(d["fixes"], what=_key("fixes"))
         for name in ("inject", "remote"):
             if name in d:
                 if not isinstance(d[name], list) or not all(isinstance(x, str) for x in d[name]):
-                    raise ConfigError(f"{name} must be a list of strings, got {d[name]!r}")
+                    raise ConfigError(f"{_key(name)} must be a list of strings, got {d[name]!r}")
                 d[name] = tuple(d[name])
         if "tenants" in d and not (
             isinstance(d["tenants"], dict) and all(isinstance(v, str) for v in d["tenants"].values())
         ):
-            raise ConfigError(f"tenants must map names to API keys, got {d['tenants']!r}")
-        return cls(**d)
+            raise ConfigError(f"{_key('tenants')} must map names to API keys, got {d['tenants']!r}")
+        return cls(**d, said_as="key")  # its errors name the file's keys, not the flags
 
 
 def incident_preset(**changes: Any) -> ServeConfig:

@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 REFUSED_TO_START = 3  # a worker's exit status when it refuses its configuration, in one line
+# ... which a local worker marks so, for the router to say once (in its error) and not echo first
+REFUSAL_MARK = "minigrid-refusal: "
 
 
 class MinigridError(Exception):

@@ -73,11 +73,17 @@ def parse_fixes(text: str | list[str] | tuple[str, ...], what: str = "--fixes") 
         return Fixes.none()
     if spec == "all":
         return Fixes.all()
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    if len(names) > 1 and {"none", "all"} & set(names):
-        raise ConfigError(f"{what} {text!r}: 'none' and 'all' stand alone; list fix names instead")
+    items = [n.strip() for n in spec.split(",")]
+    names = [n for n in items if n]
     if not names:
         raise ConfigError(f"{what} {text!r}: give none, all, or names from {', '.join(FIXES)}")
+    if len(names) < len(items):  # "owner-check,,kv-checksum": a name lost to a typo is said, not dropped
+        raise ConfigError(
+            f"{what} {text!r}: item {items.index('') + 1} is empty; "
+            "write fix names with one comma between them, e.g. owner-check,kv-checksum"
+        )
+    if len(names) > 1 and {"none", "all"} & set(names):
+        raise ConfigError(f"{what} {text!r}: 'none' and 'all' stand alone; list fix names instead")
     unknown = [n for n in names if n not in FIXES]
     if unknown:
         raise ConfigError(

@@ -78,6 +78,9 @@ class EngineRefusedToStart(EngineNotReady):
 
 
 _SERVE_ERROR = "minigrid serve: error: "
+# "the prefill worker refused to start: WHY" (router.REFUSED), or "the prefill and decode workers
+# refused to start: WHY" when serve refuses for several before any starts
+_REFUSED_TAIL = REFUSED.removeprefix("worker ")
 
 
 class EngineUnreachable(MinigridError):
@@ -243,9 +246,11 @@ class Engine:
                 log = self.log()
                 said = f"the engine exited with status {self.proc.returncode}:\n{log}"
                 # a worker's refusal of its settings, not a crash (that stays EngineNotReady)
-                refusals = [ln for ln in log.splitlines() if ln.startswith(_SERVE_ERROR) and REFUSED in ln]
+                refusals = [
+                    ln for ln in log.splitlines() if ln.startswith(_SERVE_ERROR) and _REFUSED_TAIL in ln
+                ]
                 if self.proc.returncode == 2 and refusals:
-                    raise EngineRefusedToStart(said, refusals[-1].partition(REFUSED)[2])
+                    raise EngineRefusedToStart(said, refusals[-1].partition(_REFUSED_TAIL)[2])
                 raise EngineNotReady(said)
             try:
                 if self.http.get("/health", timeout=2).status_code == 200:

@@ -40,7 +40,7 @@ from starlette.requests import ClientDisconnect
 
 from minigrid_engine import openai_api as oai
 from minigrid_engine.config import ADMIN, MODEL_ID, ROLES, ServeConfig, check_admin_key
-from minigrid_engine.errors import REFUSED_TO_START, ConfigError, MinigridError, counted, shown
+from minigrid_engine.errors import REFUSAL_MARK, REFUSED_TO_START, ConfigError, MinigridError, counted, shown
 from minigrid_engine.fixes import BUILT, FIXES, Fixes, parse_fixes
 from minigrid_engine.messages import (
     Abort,
@@ -487,6 +487,9 @@ class Router:
         assert link.proc is not None and link.proc.stderr is not None
         for raw in link.proc.stderr:
             line = raw.decode("utf-8", "replace").rstrip()
+            if line.startswith(REFUSAL_MARK):  # said once, by the StartupError it becomes
+                link.log_tail.append(line.removeprefix(REFUSAL_MARK))
+                continue
             link.log_tail.append(line)
             print(line, file=sys.stderr, flush=True)
 
@@ -1159,7 +1162,9 @@ class Router:
                 try:
                     fixes = parse_fixes(spec, what="fixes")
                 except ConfigError as exc:
-                    raise BadRequest(f"{exc} (valid: {valid})", "invalid_value", "fixes") from None
+                    said = str(exc)  # an unknown name's error lists the fixes already: not twice
+                    message = said if ", ".join(FIXES) in said else f"{said} (valid: {valid})"
+                    raise BadRequest(message, "invalid_value", "fixes") from None
             except BadRequest as exc:
                 return api_error(exc.status, exc.message, "invalid_request_error", exc.code, exc.param)
             refusal = router.fixes_refusal(fixes)

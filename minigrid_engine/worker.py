@@ -30,7 +30,7 @@ import torch
 
 from minigrid_engine.config import ServeConfig
 from minigrid_engine.decode import DecodeScheduler
-from minigrid_engine.errors import REFUSED_TO_START, ConfigError, PoolError
+from minigrid_engine.errors import REFUSAL_MARK, REFUSED_TO_START, ConfigError, PoolError
 from minigrid_engine.fixes import parse_fixes
 from minigrid_engine.messages import (
     Abort,
@@ -396,16 +396,10 @@ def _refuse_to_start(role: str, cfg: ServeConfig) -> str | None:
                 f"--{role}-pool-tokens {tokens}: {pool.describe(ModelConfig(), role)} needs "
                 f"{need / 2**30:,.1f} GiB, more than this machine's {have / 2**30:,.1f} GiB of memory"
             )
-    # Fix `capacity-check`: the deployment check, made by the role from its own pool.
-    short = cfg.short_of_context(role)
-    if cfg.fixes.capacity_check and short:
-        return (
-            f"capacity-check: {short}: a valid prompt would not fit. Raise "
-            f"--{role}-pool-tokens to at least {cfg.context_length}"
-            + (" (--preset corrected)" if cfg.corrected_fits else "")
-            + " or lower "
-            "--context-length; --fixes none runs the faulty configuration on purpose."
-        )
+    # Fix `capacity-check`: the deployment check, made by the role from its own pool (serve makes
+    # it too, before any worker starts, so that the reason is said once for every role).
+    if cfg.fixes.capacity_check:
+        return cfg.capacity_refusal([role])
     return None
 
 
@@ -479,14 +473,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, cfg.worker_threads))
     refusal = _refuse_to_start(a.role, cfg)
     if refusal is not None:
-        print(refusal, file=sys.stderr, flush=True)
+        print(REFUSAL_MARK + refusal, file=sys.stderr, flush=True)
         return REFUSED_TO_START
     router = _connect(_addr(a.router), authkey)
     ports = [int(x) for x in a.peer_ports.split(",")]
     try:
         return run_worker(a.role, a.index, cfg, router, authkey, ports, a.dist_port)
     except ConfigError as exc:  # e.g. a pool the device cannot hold: one line, not a traceback
-        print(f"the {name} worker cannot start: {exc}", file=sys.stderr, flush=True)
+        print(f"{REFUSAL_MARK}the {name} worker cannot start: {exc}", file=sys.stderr, flush=True)
         return REFUSED_TO_START
 
 

@@ -78,6 +78,24 @@ from minigrid_engine.cli import build_parser
         ),
         (["serve", "--config", "/nonexistent/cfg.json"], "--config /nonexistent/cfg.json: No such file"),
         (["serve", "--config", "cfg.json", "--preset", "corrected"], "and --preset corrected: choose one"),
+        (
+            ["serve", "--page-size", "0"],
+            "minigrid serve: error: argument --page-size: 0 must be at least 1 "
+            "(minigrid serve --help lists the options)",
+        ),
+        (
+            ["probe", "--url", "http://127.0.0.1:9", "--rounds", "0"],
+            "argument --rounds: 0 must be at least 1",
+        ),
+        (["check-protocol", "--prefill-pages", "0"], "argument --prefill-pages: 0 must be at least 1"),
+        (
+            ["serve", "--preset", "corrected", "--fixes", "owner-check,,kv-checksum"],
+            "--fixes 'owner-check,,kv-checksum': item 2 is empty",
+        ),
+        (
+            ["serve", "--preset", "corrected", "--fixes", "owner-check,"],
+            "--fixes 'owner-check,': item 2 is empty",
+        ),
     ],
 )
 def test_bad_values_get_one_clear_line(args: list[str], message: str) -> None:
@@ -85,6 +103,50 @@ def test_bad_values_get_one_clear_line(args: list[str], message: str) -> None:
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr  # no usage block: --help has it
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize(
+    ("args", "workers", "reason"),
+    [
+        ([], "the prefill worker", "capacity-check: the prefill KV pool holds 665 tokens"),
+        (
+            ["--preset", "corrected", "--context-length", "5000"],
+            "the prefill and decode workers",
+            "capacity-check: the prefill KV pool holds 2048 tokens and the decode KV pool 4096 tokens",
+        ),
+        (
+            ["--preset", "incident", "--prefill-workers", "2"],
+            "the prefill workers",
+            "capacity-check: the prefill KV pool holds 665 tokens",
+        ),
+        (  # a check only the worker can make (it needs torch): said once all the same
+            ["--preset", "corrected", "--decode-pool-tokens", "4000000000"],
+            "the decode worker",
+            "--decode-pool-tokens 4000000000: decode KV pool: 4000000000 tokens",
+        ),
+        pytest.param(
+            ["--preset", "corrected", "--device", "cuda"],
+            "the prefill and decode workers",
+            "--device cuda: no CUDA device is visible",
+            marks=pytest.mark.skipif(_cuda(), reason="a CUDA device is visible here"),
+        ),
+    ],
+    ids=["incident", "both-pools", "two-prefill-workers", "no-memory", "no-cuda"],
+)
+def test_a_refusal_to_start_is_said_once_naming_the_workers(
+    args: list[str], workers: str, reason: str
+) -> None:
+    proc = minigrid("serve", "--port", "0", *args, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"minigrid serve: error: {workers} refused to start: {reason}"), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.count(reason) == 1, proc.stderr
 
 
 def test_undecodable_prompt_file(tmp_path: Path) -> None:
@@ -204,19 +266,24 @@ def test_check_protocol_cut_short_says_no_verdict() -> None:
 
 
 def test_a_config_file_is_checked_field_by_field(tmp_path: Path) -> None:
+    """Each error names the key in the file ("page_size"), not the flag that would set it."""
     cfg = tmp_path / "cfg.json"
     for text, message in [
         ("{not json", "not JSON"),
         ("[1, 2]", "the settings must be a JSON object, got list"),
         ('{"context_lenght": 2048}', "unknown setting(s) context_lenght"),
-        ('{"page_size": "big"}', "--page-size must be a whole number, got 'big'"),
+        ('{"page_size": "big"}', "\"page_size\" must be a whole number, got 'big'"),
+        ('{"context_length": "big"}', "\"context_length\" must be a whole number, got 'big'"),
+        ('{"port": 70000}', '"port" 70000 is not a TCP port'),
+        ('{"prefill_pool_tokens": 10}', '"prefill_pool_tokens" 10 is smaller than one page'),
         ('{"tenants": {" bob": "sk-b"}}', "tenant name ' bob': give a name without spaces around it"),
         ('{"fixes": ["owner-check", "bogus"]}', "unknown fix 'bogus'"),
-        ('{"host": 5}', "--host must be a string, got 5"),
-        ('{"worker_listen": 7100}', "--worker-listen must be a string, got 7100"),
-        ('{"admin_key": 5}', "--admin-key must be a string, got 5"),
-        ('{"release_timeout_s": "5"}', "--release-timeout '5' must be a number of seconds"),
-        ('{"release_timeout_s": true}', "--release-timeout True must be a number of seconds"),
+        ('{"fixes": "owner-check,,kv-checksum"}', "\"fixes\" 'owner-check,,kv-checksum': item 2 is empty"),
+        ('{"host": 5}', '"host" must be a string, got 5'),
+        ('{"worker_listen": 7100}', '"worker_listen" must be a string, got 7100'),
+        ('{"admin_key": 5}', '"admin_key" must be a string, got 5'),
+        ('{"release_timeout_s": "5"}', "\"release_timeout_s\" '5' must be a number of seconds"),
+        ('{"release_timeout_s": true}', '"release_timeout_s" True must be a number of seconds'),
     ]:
         cfg.write_text(text)
         proc = minigrid("serve", "--config", str(cfg))
@@ -256,12 +323,33 @@ def test_a_worker_with_no_router_there_names_the_address(tmp_path: Path) -> None
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--transfer-host", "nonexistent.invalid"), ("--worker-listen", "nonexistent.invalid:0")],
+    [
+        ("--transfer-host", "nonexistent.invalid"),
+        ("--worker-listen", "nonexistent.invalid:0"),
+        ("--host", "999.1.1.1"),
+        ("--host", "nonexistent.invalid"),
+    ],
 )
 def test_serve_names_an_address_it_cannot_listen_on(flag: str, value: str) -> None:
-    proc = minigrid("serve", flag, value, "--port", "0")
+    proc = minigrid("serve", "--preset", "corrected", flag, value, "--port", "0")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{flag} {value}: cannot listen" in proc.stderr, proc.stderr
+
+
+def test_serve_on_a_port_in_use_says_so_with_status_2() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = minigrid("serve", "--preset", "corrected", "--port", str(port))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}: Address already in use" in proc.stderr
+
+
+def test_fuzz_draws_no_progress_bar_into_a_pipe() -> None:
+    proc = minigrid("fuzz", "--requests", "3", "--concurrency", "1", "--abort-rate", "0", timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "\r" not in proc.stderr and "req/s" not in proc.stderr and "fuzz:" not in proc.stderr, proc.stderr
 
 
 def test_check_protocol_cut_short_claims_no_isolation() -> None:

@@ -68,6 +68,7 @@ def test_a_stopped_or_dead_engine_and_unsendable_values_are_named() -> None:
 
 
 def test_interrupting_serve_while_its_workers_start_stops_them() -> None:
+    """Ctrl-C or SIGTERM: the workers stop too, and the status is 128 + the signal (130, 143)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         proc = subprocess.Popen(
             [sys.executable, "-m", "minigrid_engine.cli", "serve", "--preset", "corrected", "--port", "0"],
@@ -83,7 +84,7 @@ def test_interrupting_serve_while_its_workers_start_stops_them() -> None:
         assert len(workers) == 2, proc.stderr
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 130 and "Traceback" not in err, err
+        assert proc.returncode == 128 + sig and "Traceback" not in err, err
         _, alive = psutil.wait_procs(workers, timeout=10)  # stop_workers: 5 s of grace
         assert not alive, f"{sig.name}: workers left running: {alive}"
 

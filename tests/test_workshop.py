@@ -165,6 +165,7 @@ def test_admin_endpoints_refuse_students(room: Workshop, method: str, path: str)
 def test_bad_fixes_are_refused_by_name(room: Workshop, body: object, status: int, says: str) -> None:
     r = httpx.post(room.url + "/v1/minigrid/fixes", headers=room.key("instructor"), json=body)
     assert r.status_code == status and says in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["message"].count("scrub-on-free") <= 1, r.text  # the fixes listed once
     assert httpx.get(room.url + "/v1/minigrid/config", headers=room.key("instructor")).json()["fixes"] == []
     bad = httpx.post(room.url + "/v1/minigrid/fixes", headers=room.key("instructor"), content=b"{")
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
