@@ -47,6 +47,11 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
 
 
+def _progress(json_out: bool = False) -> bool:
+    """A progress bar only for a person watching: not with --json, not into a log or a pipe."""
+    return not json_out and sys.stderr.isatty()
+
+
 def parse_bytes(text: str) -> int:
     """'8MiB' -> 8388608; '1.5GB' -> 1500000000. Raises argparse's error type on nonsense."""
     m = _SIZE.match(text)
@@ -342,7 +347,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         **{name: getattr(args, name) for name in same},
     )
-    report = probe(cfg, progress=sys.stderr.isatty())
+    report = probe(cfg, progress=_progress())
     print(report.to_json() if args.json else report.text())
     if not report.ok:
         return 1
@@ -371,8 +376,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         abort_rate=args.abort_rate,
         max_tokens=args.max_tokens,
     )
-    # a bar only for a person watching, as probe draws it: not into a log or a pipe
-    report = fuzz(base.with_(**changes), campaign, progress=not args.json and sys.stderr.isatty())
+    report = fuzz(base.with_(**changes), campaign, progress=_progress(args.json))
     print(report.to_json() if args.json else report.table())
     return 0 if report.isolated else 1
 
@@ -381,9 +385,7 @@ def cmd_faults(args: argparse.Namespace) -> int:
     from minigrid_engine.fault_campaign import run_campaign, select
 
     cases = select(args.only)  # a ConfigError (exit 2) names the cases on a typo
-    report = run_campaign(
-        cases, progress=not args.json and sys.stderr.isatty(), restart_wait_s=args.restart_wait
-    )
+    report = run_campaign(cases, progress=_progress(args.json), restart_wait_s=args.restart_wait)
     text = report.to_json()
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
