@@ -36,6 +36,16 @@ class PoolExhausted(PoolError):
     """Not enough free pages for a reservation."""
 
 
+def error_message(text: str) -> str | None:
+    """The `error.message` of an OpenAI-style error body, or None when `text` is not one."""
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return None
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) else None
+
+
 def counted(n: int, unit: str) -> str:
     """`n` and its unit, singular for one: "1 token", "3 pages"."""
     return f"{n} {unit}{'' if n == 1 else 's'}"

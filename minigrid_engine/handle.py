@@ -38,10 +38,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from minigrid_engine.config import DEFAULT_TENANTS, ServeConfig, check_key_text, incident_preset
-from minigrid_engine.errors import MinigridError
+from minigrid_engine.errors import MinigridError, error_message
 from minigrid_engine.fixes import Fixes, parse_fixes
 from minigrid_engine.forensics import pages_read
-from minigrid_engine.router import REFUSED, free_port
+from minigrid_engine.router import REFUSED_TAIL, free_port
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,6 @@ class EngineRefusedToStart(EngineNotReady):
 
 
 _SERVE_ERROR = "minigrid serve: error: "
-# "the prefill worker refused to start: WHY" (router.REFUSED), or "the prefill and decode workers
-# refused to start: WHY" when serve refuses for several before any starts
-_REFUSED_TAIL = REFUSED.removeprefix("worker ")
 
 
 class EngineUnreachable(MinigridError):
@@ -117,10 +114,7 @@ class EngineRefused(MinigridError):
 
 
 def _refused(r: httpx.Response, what: str) -> EngineRefused:
-    try:
-        msg = r.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        msg = r.text[:200]
+    msg = error_message(r.text) or r.text[:200]
     return EngineRefused(r.status_code, f"{what}: HTTP {r.status_code}: {msg}")
 
 
@@ -247,10 +241,10 @@ class Engine:
                 said = f"the engine exited with status {self.proc.returncode}:\n{log}"
                 # a worker's refusal of its settings, not a crash (that stays EngineNotReady)
                 refusals = [
-                    ln for ln in log.splitlines() if ln.startswith(_SERVE_ERROR) and _REFUSED_TAIL in ln
+                    ln for ln in log.splitlines() if ln.startswith(_SERVE_ERROR) and REFUSED_TAIL in ln
                 ]
                 if self.proc.returncode == 2 and refusals:
-                    raise EngineRefusedToStart(said, refusals[-1].partition(_REFUSED_TAIL)[2])
+                    raise EngineRefusedToStart(said, refusals[-1].partition(REFUSED_TAIL)[2])
                 raise EngineNotReady(said)
             try:
                 if self.http.get("/health", timeout=2).status_code == 200:

@@ -42,7 +42,7 @@ import httpx
 from tqdm.auto import tqdm  # a widget bar in a notebook, text in a terminal
 
 from minigrid_engine.canary import CanaryHarness
-from minigrid_engine.errors import MinigridError
+from minigrid_engine.errors import MinigridError, error_message
 
 DEFAULT_FRACTIONS = (0.25, 0.5, 0.7, 0.85, 1.0)  # of the room a prompt has below the context
 TOO_FAST = 0.5  # a first token under this share of the shortest prompts' median time
@@ -243,12 +243,9 @@ class ProbeReport:
 
 def _said(r: httpx.Response) -> str:
     """What a non-answer said: its OpenAI error message, or the start of its body."""
-    try:
-        error = r.json().get("error")
-    except (ValueError, AttributeError):
-        error = None
-    if isinstance(error, dict) and isinstance(error.get("message"), str):
-        return f"its error: {error['message'][:300]}"
+    message = error_message(r.text)
+    if message is not None:
+        return f"its error: {message[:300]}"
     body = " ".join(r.text.split())[:120]
     return f"{r.headers.get('content-type', 'no content type')}: {body!r}" if body else "an empty body"
 

@@ -76,9 +76,10 @@ def _recv(conn: Connection) -> object:
         return exc
 
 
-# How a worker's refusal of its settings (exit REFUSED_TO_START, one line why) is said by serve;
-# the Python handle reads it back to tell a refusal from a crash.
-REFUSED = "worker refused to start: "
+# How a worker's refusal of its settings (exit REFUSED_TO_START, one line why) is said by serve
+# ("the prefill worker refused to start: WHY", or serve's "the prefill and decode workers ..."); the
+# Python handle reads it back to tell a refusal from a crash.
+REFUSED_TAIL = "refused to start: "
 
 
 class StartupError(MinigridError):
@@ -423,7 +424,7 @@ class Router:
                         said = "\n".join(w.log_tail)
                         why = f"the {w.name} worker exited with status {w.proc.returncode} during startup"
                         if w.proc.returncode == REFUSED_TO_START and w.log_tail:  # its one line
-                            raise StartupError(f"the {w.name} {REFUSED}{w.log_tail[-1]}")
+                            raise StartupError(f"the {w.name} worker {REFUSED_TAIL}{w.log_tail[-1]}")
                         if "address already in use" in said.lower():
                             raise PortInUse(f"{why}:\n{said}", f"{why}: a port it was given was in use")
                         raise StartupError(f"{why}:\n{said}")

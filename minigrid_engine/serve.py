@@ -24,7 +24,7 @@ import uvicorn
 
 from minigrid_engine.config import ROLES, ServeConfig
 from minigrid_engine.errors import ConfigError
-from minigrid_engine.router import REFUSED, Router
+from minigrid_engine.router import REFUSED_TAIL, Router
 
 
 class Terminated(KeyboardInterrupt):
@@ -126,11 +126,9 @@ def refusal_to_start(cfg: ServeConfig) -> str | None:
 
 def _refused(cfg: ServeConfig, roles: list[str], why: str) -> str:
     """`the prefill worker refused to start: WHY`, as the router says a worker's refusal
-    (router.REFUSED: the handle reads it back), or `the prefill and decode workers ...`."""
+    (router.REFUSED_TAIL: the handle reads it back), or `the prefill and decode workers ...`."""
     many = sum(cfg.workers(role) for role in roles) > 1
-    return (
-        f"the {' and '.join(roles)} " + (REFUSED.replace("worker", "workers", 1) if many else REFUSED) + why
-    )
+    return f"the {' and '.join(roles)} {'workers' if many else 'worker'} {REFUSED_TAIL}{why}"
 
 
 def _bound(host: str, port: int) -> socket.socket:
