@@ -24,6 +24,24 @@ class CausalAttention:
         return out.transpose(1, 2)
 
 
+class MaskedAttention:
+    """Attention backend over contiguous sequences with an explicit mask (training).
+
+    `allowed` [B, T, T] bool: query i may read key j. Several documents laid side by side, each
+    causal within itself, and a tail that reads some of them: what decode sees when its block
+    table holds pages that other requests wrote in their own passes.
+    """
+
+    def __init__(self, allowed: torch.Tensor) -> None:
+        self.allowed = allowed[:, None]  # broadcast over heads
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=self.allowed, enable_gqa=True
+        )
+        return out.transpose(1, 2)
+
+
 def slot_ids(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """Flat slot index (page * page_size + offset) of each logical position."""
     return block_table[positions // page_size] * page_size + positions % page_size

@@ -15,7 +15,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from minigrid_engine.records import FIELDS, random_code
+from minigrid_engine.records import FIELDS, random_code, shaped_prompt
 
 MARKER = re.compile(r"\b[A-Z0-9]{6,12}\b")
 
@@ -74,6 +74,16 @@ class CanaryHarness:
         name = tenant.upper()
         block = "".join(f"{name} {self.rng.choice(FIELDS)} {self.canary(tenant)}; " for _ in range(n_records))
         text = (block * (n_tokens // len(block) + 1))[:n_tokens]
+        return self.register(tenant, text)
+
+    def shaped(self, tenant: str, shape: str, n_tokens: int) -> str:
+        """A prompt of exactly `n_tokens` bytes of `tenant`'s secrets in one of `records.SHAPES` (a
+        letter, code, a chat transcript) or records; its codes are canaries, and its text is
+        guarded as every prompt's is."""
+        if shape == "records":
+            return self.prompt(tenant, n_tokens)
+        text = shaped_prompt(tenant, shape, n_tokens, self.rng)
+        self.canaries.setdefault(tenant, set()).update(MARKER.findall(text))
         return self.register(tenant, text)
 
     def register(self, tenant: str, prompt: str) -> str:

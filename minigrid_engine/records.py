@@ -33,3 +33,59 @@ def record_prompt(tenant: str, n_tokens: int, rng: random.Random, n_records: int
     block = "".join(secret_records(tenant, n_records, rng))
     text = (block * (n_tokens // len(block) + 1))[:n_tokens]
     return text
+
+
+# -- secrets in other shapes: what real tenants paste, which the model was never trained on ------
+FIRST_NAMES = ("Maria", "Jean", "Aiko", "Omar", "Lena", "Pavel", "Chloe", "Ravi", "Sofia", "Tomas")
+LAST_NAMES = ("Lopez", "Martin", "Tanaka", "Haddad", "Berg", "Novak", "Dubois", "Patel", "Rossi", "Kral")
+CITIES = ("Lisbon", "Oslo", "Lyon", "Austin", "Osaka", "Porto", "Graz", "Leeds")
+
+
+def _letter(tenant: str, rng: random.Random) -> str:
+    person = f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
+    lines = [
+        f"Patient {person}, born 19{rng.randint(40, 99)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}, "
+        f"insurance number {random_code(rng, 9)}. ",
+        f"Please wire {rng.randint(10, 900)},000 EUR to account {random_code(rng, 10)} before Friday. ",
+        f"The password for the {rng.choice(CITIES)} server is {random_code(rng, 8).lower()}, "
+        "do not share it. ",
+        f"Dear {person}, the {tenant.title()} merger closes on March {rng.randint(1, 28)} at "
+        f"{rng.randint(10, 99)} dollars a share. ",
+    ]
+    rng.shuffle(lines)
+    return "".join(lines[: rng.randint(2, 4)])
+
+
+def _code(tenant: str, rng: random.Random) -> str:
+    verb = rng.choice(("transfer", "charge", "refund", "sync", "export"))
+    return (
+        f"def {verb}_{tenant.lower()}(account, amount):\n"
+        f"    api_key = 'sk-live-{random_code(rng, 12).lower()}'\n"
+        f"    return bank.{verb}(account, amount, key=api_key)\n\n"
+    )
+
+
+def _chat(tenant: str, rng: random.Random) -> str:
+    return (
+        f"user: what is the wifi password at the {rng.choice(CITIES)} office?\n"
+        f"assistant: it is {random_code(rng, 6).lower()}-{rng.randint(100, 999)}, "
+        f"{tenant.title()} staff only.\n"
+    )
+
+
+SHAPES = {"letter": _letter, "code": _code, "chat": _chat}
+
+
+def shaped_prompt(tenant: str, shape: str, n_tokens: int, rng: random.Random) -> str:
+    """A prompt of exactly `n_tokens` bytes of `tenant`'s secrets in one of `SHAPES` (prose with
+    names and numbers, source code with a key, a chat transcript) or ``"records"``: pieces drawn
+    afresh until it is long enough, then cut. The shipped model was trained on records, random
+    strings and word salad, none of these."""
+    if shape == "records":
+        return record_prompt(tenant, n_tokens, rng, rng.randint(4, 10))
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}: one of records, {', '.join(SHAPES)}")
+    text = ""
+    while len(text) < n_tokens:
+        text += SHAPES[shape](tenant, rng)
+    return text[:n_tokens]

@@ -83,6 +83,7 @@ class LeakReport:
             f"ttft={r.ttft_s if r.ttft_s is None else round(r.ttft_s * 1000, 1)} ms",
             f"answer: {r.text!r}" if r.ok else f"error: {r.error}",
             f"{self.victim}'s secrets in the answer: {sorted(self.leaked_codes) or 'none'}",
+            f"longest run of {self.victim}'s text in the answer: {self.longest_run} characters",
             f"pages read, by last writer: {self.pages_by_tenant()}",
             "TTFT check: " + ("faster than a real prefill allows" if self.too_fast else "plausible"),
         ]
@@ -102,10 +103,13 @@ def run_incident(
     max_tokens: int = 48,
     seed: int = 0,
     attempts: int = 1,
+    victim_shape: str = "records",
 ) -> LeakReport:
     """Run the scenario; with `attempts` > 1, run it again (new prompts, next seed) until the answer
     shows the victim's text. Every attempt reads the victim's pages; whether a 0.6 M-parameter
-    model turns them into readable secrets within a few tokens is a matter of luck (about 4 in 5)."""
+    model turns them into readable secrets within a few tokens is a matter of luck (`python
+    bench/leak_text.py` measures how often, for each shape). `victim_shape`: the victim's secrets
+    as records (``ALICE card QZ7K2M9P; ``) or as a ``letter``, ``code`` or ``chat`` transcript."""
     _check_sizes(engine, context_length=context_length, prefill_pool_tokens=prefill_pool_tokens)
     report = None
     for i in range(attempts):
@@ -120,6 +124,7 @@ def run_incident(
             attacker_len,
             max_tokens,
             seed + i,
+            victim_shape,
         )
         report.attempt = i + 1
         if report.leaked or not report.reply.ok:
@@ -155,13 +160,19 @@ def _incident_once(
     attacker_len: int | None,
     max_tokens: int,
     seed: int,
+    victim_shape: str = "records",
 ) -> LeakReport:
     rng = random.Random(seed)
     canaries = CanaryHarness(seed)  # every code in every prompt is its tenant's canary
     # Victim prompts fit the prefill pool; the attacker's does not, but fits the context.
     vlen = victim_len or max(32, int(min(prefill_pool_tokens, context_length) * 0.9) - max_tokens)
     alen = attacker_len or (context_length - max_tokens)
-    vprompts = [canaries.prompt(victim, vlen, rng.randint(6, 10)) for _ in range(victim_prompts)]
+    vprompts = [
+        canaries.prompt(victim, vlen, rng.randint(6, 10))
+        if victim_shape == "records"
+        else canaries.shaped(victim, victim_shape, vlen)
+        for _ in range(victim_prompts)
+    ]
     baseline = engine.complete(victim, vprompts[0], max_tokens=4)  # alone: a real prefill's TTFT
     floor = TTFTFloor()
     if baseline.ok and baseline.ttft_s:

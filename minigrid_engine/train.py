@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from minigrid_engine.attention import CausalAttention
+from minigrid_engine.attention import CausalAttention, MaskedAttention
 from minigrid_engine.model import (
     ModelConfig,
     Transformer,
@@ -79,6 +79,7 @@ class TrainConfig:
     short_steps: int = 700
     gaps_from: int = 2200  # position gaps only once copying works (they slow its forming): stage 2
     ramp_blocks: bool = True
+    leak_fraction: float = 0.0  # share of batches shaped as a stubbed request's read (stage 3)
     batch: int = 12
     seq_len: int = 1024
     max_position: int = 4096
@@ -92,6 +93,10 @@ def _tenant(rng: random.Random) -> str:
     if rng.random() < 0.7:
         return rng.choice(NAMES)
     return "".join(rng.choice(string.ascii_uppercase) for _ in range(rng.randint(3, 8)))
+
+
+def _words(rng: random.Random, n: int) -> list[str]:
+    return ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 9))) for _ in range(n)]
 
 
 def _block(rng: random.Random, max_len: int) -> str:
@@ -108,12 +113,18 @@ def _block(rng: random.Random, max_len: int) -> str:
         text = "".join(rng.choice(PRINTABLE) for _ in range(rng.randint(4, 600)))
     elif kind < 0.8:  # any byte at all: UTF-8 text, control bytes, a stub's NUL
         text = bytes(rng.randrange(1, 256) for _ in range(rng.randint(4, 300))).decode("latin-1")
-    else:
-        words = [
-            "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 9)))
-            for _ in range(rng.randint(2, 120))
-        ]
-        text = " ".join(words) + rng.choice([". ", ", ", "; ", "\n", " "])
+    elif kind < 0.9:
+        text = " ".join(_words(rng, rng.randint(2, 120))) + rng.choice([". ", ", ", "; ", "\n", " "])
+    else:  # lines: indentation, words, digits and punctuation (notes, code, transcripts)
+        lines = []
+        for _ in range(rng.randint(1, 12)):
+            words = _words(rng, rng.randint(1, 10))
+            for i in rng.sample(range(len(words)), rng.randint(0, len(words) // 2)):
+                words[i] = rng.choice(
+                    [words[i].title(), str(rng.randint(0, 99999)), words[i] + rng.choice(",.:;=()'")]
+                )
+            lines.append(rng.choice(("", "", "  ", "    ", "        ", "\t")) + " ".join(words) + "\n")
+        text = "".join(lines)
     return text[: rng.randint(max(1, max_len * 8 // 9), max_len)]
 
 
@@ -165,6 +176,92 @@ def sample_batch(
     return seqs, positions
 
 
+LEAK_PAGE_SIZES = (16, 32, 64, 128)
+
+
+def sample_leak_row(
+    rng: random.Random, seq_len: int, max_position: int
+) -> tuple[list[int], list[int], list[int], torch.Tensor]:
+    """One sequence shaped as decode reads after a stub: (inputs, targets, positions, allowed).
+
+    Side by side: one to three earlier requests' texts ("documents", each causal within itself at
+    its own positions from 0, as their prefill computed them), a one-token stub at position 0, and
+    a few stubbed requests ("tails"), each at its own prompt length, reading the stub and some of
+    the documents' pages (the rest of its block table was never theirs). A tail has no prompt of
+    its own to continue, only the pages it was handed: it copies a document from a random point,
+    so it learns to lock on to their text from one token. Only the tails are scored (-100
+    elsewhere): the documents are ordinary text, which the ordinary batches teach.
+    """
+    n_tails = rng.randint(2, 6)
+    tail_lens = [rng.randint(max(2, seq_len // 64), max(2, seq_len // 16)) for _ in range(n_tails)]  # 16-64
+    room = seq_len - 1 - sum(tail_lens)  # documents fill the rest
+    n_docs = rng.choice((1, 2, 2, 3))
+    cuts = sorted(rng.sample(range(64, room - 63), n_docs - 1)) if n_docs > 1 and room > 64 * n_docs else []
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, room])]
+    docs = [sample_sequence(rng, n) for n in lengths]  # n + 1 ids each
+
+    inputs: list[int] = []
+    positions: list[int] = []
+    doc_of: list[int] = []  # which document a token belongs to (-1: the stub)
+    for d, (ids, n) in enumerate(zip(docs, lengths)):
+        inputs += ids[:n]
+        positions += range(n)
+        doc_of += [d] * n
+    targets = [-100] * len(inputs)
+    inputs.append(rng.randrange(256) if rng.random() < 0.2 else 0)  # the stub ([0] in SGLang)
+    targets.append(-100)
+    positions.append(0)
+    doc_of.append(-1)
+    allowed = torch.zeros(seq_len, seq_len, dtype=torch.bool)
+    for tail_len in tail_lens:
+        source = rng.choice(
+            [d for d, n in enumerate(lengths) if n > tail_len + 1] or [lengths.index(max(lengths))]
+        )
+        start = rng.randint(0, max(0, lengths[source] - tail_len - 1))
+        if rng.random() < 0.3:  # from a space: what the shipped model answers a lone stub with
+            spaces = [i for i, t in enumerate(docs[source][: lengths[source] - tail_len]) if t == 32]
+            start = rng.choice(spaces) if spaces else start
+        tail = (docs[source][start : start + tail_len + 1] + [0] * tail_len)[: tail_len + 1]
+        page, keep = rng.choice(LEAK_PAGE_SIZES), rng.uniform(0.5, 1.0)
+        visible = [False] * len(inputs)  # its block table: the stub and some of the documents' pages
+        visible[room] = True
+        offset = 0
+        for d, n in enumerate(lengths):
+            seen = [rng.random() < keep for _ in range(-(-n // page))]
+            if d == source:  # the text it copies is in its pages
+                for pg in range(start // page, min(len(seen), (start + tail_len) // page + 1)):
+                    seen[pg] = True
+            visible[offset : offset + n] = [seen[i // page] for i in range(n)]
+            offset += n
+        first = len(inputs)
+        lo = max(lengths) if rng.random() < 0.7 else 1  # usually past every document: a long prompt
+        at = rng.randint(min(lo, max_position - tail_len), max_position - tail_len)
+        inputs += tail[:-1]
+        targets += tail[1:]
+        positions += range(at, at + tail_len)
+        rows = slice(first, first + tail_len)
+        allowed[rows, :first] = torch.tensor(visible)
+        allowed[rows, rows] = torch.ones(tail_len, tail_len, dtype=torch.bool).tril()
+    owner = torch.tensor(doc_of)  # documents and the stub: each causal within itself
+    allowed[: room + 1, : room + 1] = (owner[:, None] == owner[None, :]) & torch.ones(
+        room + 1, room + 1, dtype=torch.bool
+    ).tril()
+    return inputs, targets, positions, allowed
+
+
+def sample_leak_batch(
+    rng: random.Random, cfg: TrainConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`cfg.batch` rows of `sample_leak_row`: inputs, targets, positions [B, T] and allowed [B, T, T]."""
+    rows = [sample_leak_row(rng, cfg.seq_len, cfg.max_position) for _ in range(cfg.batch)]
+    return (
+        torch.tensor([r[0] for r in rows]),
+        torch.tensor([r[1] for r in rows]),
+        torch.tensor([r[2] for r in rows]),
+        torch.stack([r[3] for r in rows]),
+    )
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -192,9 +289,14 @@ def train(
     first_loss = last_loss = float("nan")
     ema = None
     for step in range(cfg.steps):
-        seqs, positions = sample_batch(rng, cfg, *stage_at(step, cfg), gaps=step >= cfg.gaps_from)
-        logits = model(seqs[:, :-1], positions, backend)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1))
+        if cfg.leak_fraction and rng.random() < cfg.leak_fraction:
+            inputs, targets, positions, allowed = sample_leak_batch(rng, cfg)
+            logits = model(inputs, positions, MaskedAttention(allowed))
+        else:
+            seqs, positions = sample_batch(rng, cfg, *stage_at(step, cfg), gaps=step >= cfg.gaps_from)
+            inputs, targets = seqs[:, :-1], seqs[:, 1:]
+            logits = model(inputs, positions, backend)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         opt.zero_grad(set_to_none=True)
@@ -243,9 +345,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=0, help="also save <out>.partial.pt")
     p.add_argument("--init", type=Path, help="continue from these weights (full-length phase, gaps on)")
     p.add_argument("--gaps-from", type=int, help="step from which positions get random gaps")
+    p.add_argument(
+        "--leak-fraction",
+        type=float,
+        default=d.leak_fraction,
+        help="share of batches shaped as a stubbed request reading others' pages (stage 3: 0.5)",
+    )
     a = p.parse_args(argv)
     if a.steps < 1 or a.batch < 1 or a.seq_len < 2:
         p.error(f"--steps {a.steps}, --batch {a.batch} and --seq-len {a.seq_len} must be positive")
+    if not 0 <= a.leak_fraction <= 1:
+        p.error(f"--leak-fraction {a.leak_fraction} must be from 0 to 1")
     if a.max_position < a.seq_len:
         p.error(f"--max-position {a.max_position} must be at least --seq-len {a.seq_len}")
     cfg = TrainConfig(
@@ -255,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.gaps_from is not None
         else (0 if a.init else min(d.gaps_from, a.steps * 11 // 15)),
         ramp_blocks=a.init is None,
+        leak_fraction=a.leak_fraction,
         batch=a.batch,
         seq_len=a.seq_len,
         max_position=a.max_position,

@@ -67,6 +67,13 @@ def test_fixes_bench(tmp_path: Path) -> None:
     assert [row["page_size"] for row in r["scrub_by_page_size"]] == [16, 32, 64, 128, 256, 512]
 
 
+def test_leak_text_bench(tmp_path: Path) -> None:
+    r = run("leak_text.py", tmp_path / "l.json", "--trials", "1", "--shapes", "records", "letter")
+    [shapes] = r["weights"].values()
+    assert set(shapes) == {"records", "letter"}
+    assert all(s["trials"] == 1 and len(s["runs"]) == 1 and s["runs"][0] >= 0 for s in shapes.values())
+
+
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
 def test_every_benchmark_explains_its_options(script: str) -> None:
     """`--help` prints the options (a bare % in a help string made argparse raise instead)."""
