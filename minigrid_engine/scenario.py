@@ -60,6 +60,7 @@ class LeakReport:
     baseline_ttft_s: float | None = None  # a real prefill of a victim prompt, alone
     finding: Finding | None = None  # what the canary harness and the TTFT floor say
     attempt: int = 1
+    run_threshold: int = 24  # this many characters in a row of the victim's text are a leak
 
     @property
     def too_fast(self) -> bool:
@@ -68,7 +69,7 @@ class LeakReport:
 
     @property
     def leaked(self) -> bool:
-        return bool(self.leaked_codes) or self.longest_run >= 24
+        return bool(self.leaked_codes) or self.longest_run >= self.run_threshold
 
     def pages_by_tenant(self) -> dict[str | None, int]:
         out: dict[str | None, int] = {}
@@ -163,7 +164,11 @@ def _incident_once(
     victim_shape: str = "records",
 ) -> LeakReport:
     rng = random.Random(seed)
-    canaries = CanaryHarness(seed)  # every code in every prompt is its tenant's canary
+    # Every code in every prompt is its tenant's canary, and a run of 24 characters of the victim's
+    # text is a leak too. Records carry a canary every 20 characters; a letter or code carries few,
+    # so for those, a run of half the answer (12 to 24 characters) counts (bob's prompt is records).
+    run = 24 if victim_shape == "records" else min(24, max(12, max_tokens // 2))
+    canaries = CanaryHarness(seed, run_threshold=run)
     # Victim prompts fit the prefill pool; the attacker's does not, but fits the context.
     vlen = victim_len or max(32, int(min(prefill_pool_tokens, context_length) * 0.9) - max_tokens)
     alen = attacker_len or (context_length - max_tokens)
@@ -202,6 +207,7 @@ def _incident_once(
         pages,
         baseline.ttft_s,
         finding=finding,
+        run_threshold=canaries.run_threshold,
     )
 
 

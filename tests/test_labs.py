@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from minigrid_engine.canary import longest_shared_run
+
 ROOT = Path(__file__).resolve().parents[1]
 LABS = ROOT / "labs"
 NOTEBOOKS = sorted(LABS.glob("[0-9][0-9]_*.ipynb"))
@@ -107,6 +109,14 @@ def test_05_leak_lab_shows_the_leak(tmp_path: Path) -> None:
     assert r["status"] == 200 and r["prompt_tokens"] == 1000
     assert r["leaked_codes"], f"the leak lab no longer leaks: {r['text']!r}"
     assert r["pages_by_tenant"] == {"alice": 7, "bob": 1} and r["too_fast"]
+
+
+def test_05_leak_lab_reads_out_a_letter_too(tmp_path: Path) -> None:
+    """alice's secrets in a shape the model never trained on: bob's answer still holds her text."""
+    r = run("05_trigger_the_leak.ipynb", tmp_path, fixes="none", victim_shape="letter")
+    assert r["status"] == 200 and r["pages_by_tenant"] == {"alice": 7, "bob": 1}
+    runs = [longest_shared_run(r["text"], p) for p in r["victim_prompts"]]
+    assert max(runs) >= 12, f"bob's answer {r['text']!r} holds no run of alice's letters"
 
 
 def test_05_leak_lab_with_the_fix_shows_the_400(tmp_path: Path) -> None:
