@@ -8,9 +8,15 @@ For each shape of secret (`records.shaped_prompt`: the records the model was tra
 letters, code and chat transcripts it never saw), each trial runs the incident on the in-process
 cluster (the worker processes' own schedulers, `--fixes none`, the scaled numbers): alice sends two
 prompts of that shape, then bob one longer than the prefill pool, of a random shape. bob's answer
-is read from alice's stale pages; the benchmark measures the longest run of characters it shares
-with alice's prompts. A run of 12 or more is text a learner can read as hers (the canary harness
-calls 24 a leak on its own). Every weights file gets the same prompts.
+is read from alice's stale pages. Two counts per shape:
+
+- readable: the answer holds 12 or more characters in a row of alice's text that bob's own prompt
+  does not hold (a template both tenants' letters share is not counted), text a learner can read
+  as hers (the canary harness calls 24 a leak on its own);
+- secret: the answer holds 6 or more characters of one of alice's secret values (a code, a
+  password, an API key), the probe's rule for a canary cut short.
+
+Every weights file gets the same prompts.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ from minigrid_engine.records import SHAPES, shaped_prompt
 
 ALL_SHAPES = ("records", *SHAPES)
 READABLE = 12  # characters in a row of the victim's text
+SECRET_PIECE = 6  # characters of one of her secret values
 
 
 def leak_runs(weights: Path, shape: str, trials: int, max_tokens: int, seed: int) -> list[dict[str, object]]:
-    """One row per trial: bob's answer and its longest run of alice's text."""
+    """One row per trial: bob's answer, its longest run of alice's text that his prompt does not
+    hold, and the pieces of her secrets it holds."""
     model = load_model(weights)
     cfg = incident_preset()
     rows = []
@@ -42,14 +50,18 @@ def leak_runs(weights: Path, shape: str, trials: int, max_tokens: int, seed: int
         rng = random.Random(seed * 100_003 + t)
         cluster = InProcessCluster(cfg, model)
         victim_len = int(cfg.prefill_pool_tokens * 0.9) - max_tokens
-        prompts = [shaped_prompt("alice", shape, victim_len, rng) for _ in range(2)]
+        secrets: list[str] = []
+        prompts = [shaped_prompt("alice", shape, victim_len, rng, secrets) for _ in range(2)]
         for p in prompts:  # at once, as in the lab: two requests' pages side by side
             cluster.submit("alice", p, max_tokens=max_tokens)
         cluster.run()
         bob_len = cfg.context_length - max_tokens - rng.randint(0, 200)  # past the pool, within the context
         bob = shaped_prompt("bob", rng.choice(ALL_SHAPES), bob_len, rng)
         text = cluster.text(cluster.complete("bob", bob, max_tokens=max_tokens))
-        rows.append({"answer": text, "run": longest_shared_run(text, "\x00".join(prompts))})
+        pieces = {v[i : i + SECRET_PIECE] for v in secrets for i in range(len(v) - SECRET_PIECE + 1)}
+        held = sorted(x for x in pieces if x in text and x not in bob)
+        run = longest_shared_run(text, "\x00".join(prompts), exclude=bob)
+        rows.append({"answer": text, "run": run, "secret_pieces": held})
     return rows
 
 
@@ -75,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = leak_runs(weights, shape, a.trials, a.max_tokens, a.seed)
             runs = [int(r["run"]) for r in rows]  # type: ignore[call-overload]
             readable = sum(r >= READABLE for r in runs)
+            secret = sum(bool(r["secret_pieces"]) for r in rows)
             per_shape[shape] = {
                 "readable": readable,
+                "secret": secret,
                 "trials": len(runs),
                 "median_run": statistics.median(runs),
                 "runs": runs,
@@ -84,12 +98,14 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(
                 f"{weights.name:>18}  {shape:>8}: {readable:2d}/{len(runs)} answers hold >= {READABLE} "
-                f"characters of alice's text in a row (median run {statistics.median(runs)})",
+                f"characters of alice's text in a row (median run {statistics.median(runs)}), "
+                f"{secret:2d}/{len(runs)} a piece of one of her secrets",
                 flush=True,
             )
         results[str(weights)] = per_shape
     report = {
         "readable_run": READABLE,
+        "secret_piece": SECRET_PIECE,
         "trials": a.trials,
         "max_tokens": a.max_tokens,
         "seed": a.seed,

@@ -20,14 +20,19 @@ from minigrid_engine.records import FIELDS, random_code, shaped_prompt
 MARKER = re.compile(r"\b[A-Z0-9]{6,12}\b")
 
 
-def longest_shared_run(text: str, source: str) -> int:
-    """Length of the longest substring of `text` that also occurs in `source`."""
+def longest_shared_run(text: str, source: str, exclude: str = "") -> int:
+    """Length of the longest substring of `text` that also occurs in `source` and holds something
+    `exclude` does not (with `exclude` the reader's own prompt, text they could have copied from
+    it, such as a template both share, does not count)."""
     best = 0
     for i in range(len(text)):
         n = best + 1
-        while i + n <= len(text) and text[i : i + n] in source:
-            best = n
+        if i + n > len(text) or text[i : i + n] not in source:
+            continue  # no run from here beats the best
+        while i + n < len(text) and text[i : i + n + 1] in source:
             n += 1
+        if not exclude or text[i : i + n] not in exclude:  # shorter runs from i are in it too
+            best = n
     return best
 
 

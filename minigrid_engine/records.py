@@ -41,51 +41,63 @@ LAST_NAMES = ("Lopez", "Martin", "Tanaka", "Haddad", "Berg", "Novak", "Dubois", 
 CITIES = ("Lisbon", "Oslo", "Lyon", "Austin", "Osaka", "Porto", "Graz", "Leeds")
 
 
-def _letter(tenant: str, rng: random.Random) -> str:
+def _letter(tenant: str, rng: random.Random, secrets: list[str]) -> str:
     person = f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
+    insurance, account, password = random_code(rng, 9), random_code(rng, 10), random_code(rng, 8).lower()
     lines = [
         f"Patient {person}, born 19{rng.randint(40, 99)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}, "
-        f"insurance number {random_code(rng, 9)}. ",
-        f"Please wire {rng.randint(10, 900)},000 EUR to account {random_code(rng, 10)} before Friday. ",
-        f"The password for the {rng.choice(CITIES)} server is {random_code(rng, 8).lower()}, "
-        "do not share it. ",
+        f"insurance number {insurance}. ",
+        f"Please wire {rng.randint(10, 900)},000 EUR to account {account} before Friday. ",
+        f"The password for the {rng.choice(CITIES)} server is {password}, do not share it. ",
         f"Dear {person}, the {tenant.title()} merger closes on March {rng.randint(1, 28)} at "
         f"{rng.randint(10, 99)} dollars a share. ",
     ]
+    secrets += [insurance, account, password]
     rng.shuffle(lines)
     return "".join(lines[: rng.randint(2, 4)])
 
 
-def _code(tenant: str, rng: random.Random) -> str:
-    verb = rng.choice(("transfer", "charge", "refund", "sync", "export"))
+def _code(tenant: str, rng: random.Random, secrets: list[str]) -> str:
+    verb, key = rng.choice(("transfer", "charge", "refund", "sync", "export")), random_code(rng, 12).lower()
+    secrets.append(key)
     return (
         f"def {verb}_{tenant.lower()}(account, amount):\n"
-        f"    api_key = 'sk-live-{random_code(rng, 12).lower()}'\n"
+        f"    api_key = 'sk-live-{key}'\n"
         f"    return bank.{verb}(account, amount, key=api_key)\n\n"
     )
 
 
-def _chat(tenant: str, rng: random.Random) -> str:
+def _chat(tenant: str, rng: random.Random, secrets: list[str]) -> str:
+    wifi = f"{random_code(rng, 6).lower()}-{rng.randint(100, 999)}"
+    secrets.append(wifi)
     return (
         f"user: what is the wifi password at the {rng.choice(CITIES)} office?\n"
-        f"assistant: it is {random_code(rng, 6).lower()}-{rng.randint(100, 999)}, "
-        f"{tenant.title()} staff only.\n"
+        f"assistant: it is {wifi}, {tenant.title()} staff only.\n"
     )
 
 
 SHAPES = {"letter": _letter, "code": _code, "chat": _chat}
 
 
-def shaped_prompt(tenant: str, shape: str, n_tokens: int, rng: random.Random) -> str:
+def shaped_prompt(
+    tenant: str, shape: str, n_tokens: int, rng: random.Random, secrets: list[str] | None = None
+) -> str:
     """A prompt of exactly `n_tokens` bytes of `tenant`'s secrets in one of `SHAPES` (prose with
     names and numbers, source code with a key, a chat transcript) or ``"records"``: pieces drawn
-    afresh until it is long enough, then cut. The shipped model was trained on records, random
-    strings and word salad, none of these."""
-    if shape == "records":
-        return record_prompt(tenant, n_tokens, rng, rng.randint(4, 10))
-    if shape not in SHAPES:
+    afresh until it is long enough, then cut. The model's training corpus holds records, random
+    strings, word salad and indented lines, none of the others. `secrets`, when given, receives
+    the secret values (codes, passwords, keys) the prompt holds, whole or cut at its end."""
+    if shape not in ("records", *SHAPES):
         raise ValueError(f"unknown shape {shape!r}: one of records, {', '.join(SHAPES)}")
-    text = ""
-    while len(text) < n_tokens:
-        text += SHAPES[shape](tenant, rng)
-    return text[:n_tokens]
+    found: list[str] = []
+    if shape == "records":
+        text = record_prompt(tenant, n_tokens, rng, rng.randint(4, 10))
+        found = [r.split()[-1].rstrip(";") for r in text.split("; ") if len(r.split()) == 3]
+    else:
+        text = ""
+        while len(text) < n_tokens:
+            text += SHAPES[shape](tenant, rng, found)
+        text = text[:n_tokens]
+    if secrets is not None:
+        secrets += [s for s in found if s[:6] in text]
+    return text

@@ -45,6 +45,26 @@ def test_a_long_run_of_another_tenants_text_is_a_leak_without_canaries() -> None
     assert f.longest_foreign_run >= 24 and f.leak and f.longest_foreign_run_owner == "alice"
     assert not h.check("bob", "the cat sat on the mat").leak
     assert longest_shared_run("abcdef", "zzcdezz") == 3
+    # a run the reader's own prompt also holds (a template both share) does not count...
+    assert (
+        longest_shared_run(
+            "-- password for the Oslo server --",
+            "The password for the Oslo server is x",
+            exclude="Your password for the Lyon server",
+        )
+        == 30
+    )
+    assert (
+        longest_shared_run(
+            "-- password for the --", "The password for the Oslo", exclude="my password for the Lyon"
+        )
+        == 0
+    )
+    # ...unless it runs on into text the prompt does not hold
+    assert (
+        longest_shared_run("password for the Oslo", "the password for the Oslo", exclude="password for the ")
+        == 21
+    )
 
 
 def test_ttft_floor_flags_an_answer_faster_than_its_prefill() -> None:

@@ -125,24 +125,25 @@ def test_stale_block_table_leaks_the_previous_owners_text(model) -> None:
 
 
 @pytest.mark.parametrize("shape", ["letter", "code"])
-def test_a_stubbed_answer_reads_out_secrets_in_shapes_never_trained_on(model, shape: str) -> None:
+def test_a_stubbed_answer_reads_out_text_in_shapes_never_trained_on(model, shape: str) -> None:
     """The leak is text a learner reads whatever alice wrote, not only the records the model was
     trained on: the incident on the in-process cluster, alice's prompts a letter or code
-    (`records.shaped_prompt`), bob's stubbed answer copies a run of her text. (Chat transcripts
-    are read out less often: `bench/leak_text.py` measures each shape.)"""
+    (`records.shaped_prompt`), bob's stubbed answer copies a run of her text that his own prompt
+    does not hold. (Before the leak-shaped training phase: 2 of 20 letters, 0 of 20 code; chat
+    transcripts are still rarely read out: `bench/leak_text.py` measures each shape.)"""
     runs = []
-    for trial in range(4):
+    for trial in range(8):
         rng = random.Random(100 + trial)
         cluster = InProcessCluster(incident_preset(), model)
-        alice = [shaped_prompt("alice", shape, 560, rng) for _ in range(2)]
+        alice = [shaped_prompt("alice", shape, 520, rng) for _ in range(2)]
         for prompt in alice:
             cluster.submit("alice", prompt, max_tokens=40)
         cluster.run()
         bob = shaped_prompt("bob", rng.choice(["records", "letter", "code", "chat"]), 940, rng)
         text = cluster.text(cluster.complete("bob", bob, max_tokens=40))
-        runs.append((longest_shared_run(text, "\x00".join(alice)), text))
+        runs.append((longest_shared_run(text, "\x00".join(alice), exclude=bob), text))
     readable = [text for run, text in runs if run >= 12]
-    assert len(readable) >= 2, f"too few of bob's answers read out alice's {shape}: {runs}"
+    assert len(readable) >= 3, f"too few of bob's answers read out alice's {shape}: {runs}"
 
 
 def test_same_pages_same_answer_whatever_the_page_size(model) -> None:
