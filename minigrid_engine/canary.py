@@ -98,7 +98,8 @@ class CanaryHarness:
 
     def check(self, tenant: str, text: str, runs: bool = True, fragment: int | None = None) -> Finding:
         """Another tenant's canaries in `text`; with `runs`, also the longest run of its prompts'
-        text (a search over every prompt sent: leave it off when they are long, as a probe's are).
+        text that `tenant`'s own prompts do not hold (a search over every prompt sent: leave it off
+        when they are long, as a probe's are).
 
         With `fragment` N, N characters in a row of another tenant's canary count too (unless they
         are also in one of `tenant`'s own): an answer that ends, or a page that starts, inside a
@@ -112,11 +113,12 @@ class CanaryHarness:
             self._fragments(finding, text, fragment)
         if not runs:
             return finding
+        own = "\x00".join(self.prompts.get(tenant, []))  # text the reader could copy from its own
         for owner, prompts in self.prompts.items():
             if owner == tenant:
                 continue
             # one search over all of the owner's prompts (a campaign sends hundreds)
-            n = longest_shared_run(text, "\x00".join(prompts))
+            n = longest_shared_run(text, "\x00".join(prompts), exclude=own)
             if n > finding.longest_foreign_run:
                 finding.longest_foreign_run, finding.longest_foreign_run_owner = n, owner
         if finding.longest_foreign_run >= self.run_threshold and finding.longest_foreign_run_owner:

@@ -44,6 +44,8 @@ def test_a_long_run_of_another_tenants_text_is_a_leak_without_canaries() -> None
     f = h.check("bob", "xx approve the merger with globex corp yy")
     assert f.longest_foreign_run >= 24 and f.leak and f.longest_foreign_run_owner == "alice"
     assert not h.check("bob", "the cat sat on the mat").leak
+    h.register("bob", "note: the board meets on friday to approve the merger with initech")
+    assert not h.check("bob", "xx the board meets on friday to approve the merger with yy").leak  # his own
     assert longest_shared_run("abcdef", "zzcdezz") == 3
     # a run the reader's own prompt also holds (a template both share) does not count...
     assert (
