@@ -1,11 +1,13 @@
 """Make the shipped weights: train the byte-level model to copy from its context.
 
-The shipped weights are three runs (their facts are stored beside the weights, `load_meta()`):
+The shipped weights are four runs (their facts are stored beside the weights, `load_meta()`):
 
-    python -m minigrid_engine.train --out runs/w4.pt                          # stage 1, 17 min, 2 cores
+    python -m minigrid_engine.train --out runs/w4.pt                         # 1: 17 min on 2 cores
     python -m minigrid_engine.train --init runs/w4.pt --steps 800 --lr 5e-4 --out runs/w6.pt  # 2: gaps
-    python -m minigrid_engine.train --init runs/w6.pt --steps 2500 --lr 5e-4 --leak-fraction 0.5  # 3
-    python -m minigrid_engine.train --steps 3 --out /tmp/w.pt                 # a smoke run
+    python -m minigrid_engine.train --init runs/w6.pt --steps 2500 --lr 5e-4 --leak-fraction 0.5 \
+        --out runs/w10.pt                                                   # 3: the leak's shape
+    python -m minigrid_engine.train --init runs/w10.pt --steps 2500 --lr 3e-4 --leak-fraction 0.5  # 4
+    python -m minigrid_engine.train --steps 3 --out /tmp/w.pt                # a smoke run
 
 The corpus is synthetic and generated here: blocks of tenant records (``ALICE card QZ7K2M9P; ``),
 random printable strings, word salad, indented lines of words and numbers, and raw bytes, each
@@ -17,10 +19,11 @@ random cut by a random gap, as decode sees when it continues at its own prompt l
 pages rotated at another request's positions. Stages 1 and 2 ran on the corpus of commit 7e01789,
 before it had indented lines: check that commit out to remake `w6.pt` exactly.
 
-Stage 3 (`--leak-fraction`) is the leak itself: half its batches are `sample_leak_row`, pages of
-earlier requests' text side by side with a stub, and stubbed requests that must copy from them
-starting from a single token. Before it, a stubbed answer read out records (the shape it was
-trained on) and little else: `python bench/leak_text.py` measures each shape of secret.
+Stages 3 and 4 (`--leak-fraction`) are the leak itself: half their batches are
+`sample_leak_row`, pages of earlier requests' text side by side with a stub, and stubbed requests
+that must copy from them starting from a single token.
+Before them, a stubbed answer read out records (the shape it was trained on) and little else:
+`python bench/leak_text.py` measures each shape of secret.
 """
 
 from __future__ import annotations
