@@ -28,7 +28,8 @@ def test_the_probe_finds_the_leak_past_the_pool_and_only_there() -> None:
     with Engine.start(incident_preset(), fixes="none") as eng:
         proc = minigrid("probe", "--url", eng.url, "--tenants", TENANTS, "--json", timeout=300)
         text = minigrid("probe", "--url", eng.url + "/v1", "--tenants", TENANTS, "--rounds", "1", timeout=300)
-        # answers of 20 tokens hold no whole record, so the leak shows as codes cut short
+        # answers of 20 tokens are shorter than a record: the leak shows as whole codes or codes cut
+        # short (test_a_canary_cut_short_is_still_a_leak counts the latter, on a fake server)
         short = minigrid("probe", "--url", eng.url, "--tenants", TENANTS, "--max-tokens", "20", timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
@@ -45,7 +46,7 @@ def test_the_probe_finds_the_leak_past_the_pool_and_only_there() -> None:
         for code in s["foreign"][other]:  # whole, or 6 characters of it in a row at least
             assert code in s["answer"] or (code in s["partial"] and re.search(_pieces(code), s["answer"]))
     assert text.returncode == 1 and "FAIL:" in text.stdout and "leak: round 1" in text.stdout
-    assert short.returncode == 1 and "(in part)" in short.stdout, short.stdout + short.stderr
+    assert short.returncode == 1 and "FAIL:" in short.stdout, short.stdout + short.stderr
     assert "answers of 20 tokens are shorter than one record" in short.stdout
 
 
