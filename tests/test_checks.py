@@ -83,6 +83,13 @@ def test_catcher() -> None:
     assert not v.ok and "Status and latency alone" in v.message
     v = checks.check_catcher(lambda c: not c.get("leaked", False), cases)  # grading with the answer key
     assert not v.ok  # the test never sees the forensics' columns
+    v = checks.check_catcher(lambda c: c["status"] == 200 and not c["foreign_canaries"], cases)
+    assert not v.ok and "A refusal is what the team expected" in v.message
+    # a leak that shows no secret: only the TTFT floor sees it
+    cases["silent"] = {"status": 200, "foreign_canaries": [], "too_fast": True, "leaked": True}
+    assert checks.check_catcher(solution("catcher"), cases).ok
+    v = checks.check_catcher(lambda c: not c["foreign_canaries"], cases)
+    assert not v.ok and "only its time to first token gives it away" in v.message
 
 
 def test_possibly_affected_and_messages_for_broken_answers() -> None:
@@ -124,3 +131,14 @@ def test_program_pages_against_the_recorded_kernel_run() -> None:
         lambda table, n, ps: table[: -(-n // ps)] if n != 70 else table[::-1][:5], rows, bob.pages, 70, 16
     )
     assert not v.ok and "recorded above" in v.message
+
+
+def test_counterexample_bounds_verdicts() -> None:
+    sizes = {"prefill_pages": 3, "decode_pages": 4, "context_pages": 4}
+    # the other tenant need not come first: alice overtakes bob in decode's queue
+    assert checks.check_counterexample_bounds({"requests": "bob:4,alice:3", **sizes}).ok
+    # alice's one page is the one the stub's transfer overwrites: no stale read, and the hint says why
+    v = checks.check_counterexample_bounds({"requests": "alice:1,bob:4", **sizes})
+    assert not v.ok and "2 pages or more" in v.message and "ahead" not in v.message
+    v = checks.check_counterexample_bounds({"requests": "bob:4,alice:3", **sizes, "prefill_pages": "3"})
+    assert not v.ok and "prefill_pages is a number of pages" in v.message

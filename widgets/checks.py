@@ -171,6 +171,8 @@ def check_audit(fn: Callable[[dict[str, int], int], bool]) -> Verdict:
         ({"prefill": 2048, "decode": 4096}, 1024, True),
         ({"prefill": 4096, "decode": 512}, 1024, False),
         ({"prefill": 1024, "decode": 1024}, 1024, True),
+        ({"prefill": 1023, "decode": 4096}, 1024, False),  # the longest prompt fits, a full context not
+        ({"prefill": 1000, "decode": 4096}, 1024, False),  # 8 pages of 128 hold 1,024: tokens count
         ({"prefill": 681280, "decode": 2_000_000}, 1048576, False),
     ]
     for pools, context, want in cases:
@@ -188,7 +190,8 @@ def check_audit(fn: Callable[[dict[str, int], int], bool]) -> Verdict:
                 "audit",
                 False,
                 f"for pools {pools} and context {context:,} you said "
-                f"{'safe' if got else 'unsafe'}, but {why}.",
+                f"{'safe' if got else 'unsafe'}, but {why}. The rule has no margin and no rounding: "
+                "each pool's token capacity (not its pages) against the context itself.",
             )
     return _verdict("audit", True, "every role's pool must cover the context, prefill included.")
 
@@ -196,11 +199,15 @@ def check_audit(fn: Callable[[dict[str, int], int], bool]) -> Verdict:
 # -- 05 trigger the leak ---------------------------------------------------------------------
 def check_foreign_codes(fn: Callable[[str, list[str]], set[str]]) -> Verdict:
     """`fn(answer, victim_prompts)` -> the victim's record codes (e.g. QZ7K2M9P) in the answer."""
-    victim = ["ALICE card QZ7K2M9P; ALICE pin 4471AB22; ", "ALICE key ZZ81KQ0M; "]
-    cases = [
+    victim = [
+        "ALICE card QZ7K2M9P; ALICE pin 4471AB22; ",
+        "ALICE key ZZ81KQ0M; ALICE phone KV1DGJOC8E; ALICE vault 7TS3K1; ",
+    ]
+    cases = [  # the engine's codes are 6 to 10 characters
         (" card QZ7K2M9P; ALICE key ZZ81KQ0M;", {"QZ7K2M9P", "ZZ81KQ0M"}),
         ("BOB card QQQQ1111; BOB card", set()),
-        ("E pin 4471AB22; ALI", {"4471AB22"}),
+        (" phone KV1DGJOC8E; ALICE vault 7TS3K1; AL", {"KV1DGJOC8E", "7TS3K1"}),
+        ("E pin 4471AB22; ALICE key ZZ81KQ0M", {"4471AB22", "ZZ81KQ0M"}),  # an answer ends anywhere
         ("QZ7K2M", set()),  # half a code is not a code
     ]
     for text, want in cases:
@@ -212,7 +219,8 @@ def check_foreign_codes(fn: Callable[[str, list[str]], set[str]]) -> Verdict:
                 "foreign_codes",
                 False,
                 f"in the answer {text!r} the victim's codes are {sorted(want) or 'none'}; you found "
-                f"{sorted(got or ()) or 'none'}. Only whole codes of a victim prompt count.",
+                f"{sorted(got or ()) or 'none'}. Only whole codes of a victim prompt count, wherever "
+                "they stand: an answer can stop right after a code, before its ';'.",
             )
     return _verdict("foreign_codes", True, "that is a canary check: content, not status codes.")
 
@@ -265,25 +273,30 @@ def check_prediction(
 
 
 def check_checksum(fn: Callable[[list[bytes], list[int]], list[int]]) -> Verdict:
-    """`fn(pages, checksums)` -> indices of pages whose Adler-32 differs from the one sent."""
+    """`fn(pages, checksums)` -> indices of pages whose Adler-32 differs from the one sent, or that
+    have none (prefill sent fewer checksums than decode reserved pages)."""
     import random
 
     rng = random.Random(3)
-    for n_bad in (0, 1, 3):
+    for n_bad, n_sent in ((0, 6), (1, 6), (3, 6), (0, 1), (1, 4)):
         pages = [bytes(rng.randrange(256) for _ in range(64)) for _ in range(6)]
-        sums = [zlib.adler32(p) for p in pages]
-        bad = sorted(rng.sample(range(6), n_bad))
-        for i in bad:
+        sums = [zlib.adler32(p) for p in pages][:n_sent]
+        changed = sorted(rng.sample(range(n_sent), n_bad))
+        for i in changed:
             pages[i] = pages[i][:10] + bytes([pages[i][10] ^ 0xFF]) + pages[i][11:]
+        bad = changed + list(range(n_sent, 6))
         got, err = _run("checksum", fn, pages, sums)
         if err:
             return err
         if sorted(got or []) != bad:
+            unsent = f"; pages {n_sent}..5 came with no checksum" if n_sent < 6 else ""
             return _verdict(
                 "checksum",
                 False,
-                f"pages {bad or 'none'} were changed after their checksums were taken; you flagged "
-                f"{sorted(got or []) or 'none'}. Compare zlib.adler32(page) with the checksum sent.",
+                f"6 pages, {n_sent} checksum{'s' * (n_sent != 1)} sent: pages {changed or 'none'} "
+                f"were changed after their checksums were taken{unsent}; you flagged "
+                f"{sorted(got or []) or 'none'}, where {bad or 'none'} must be. Compare "
+                "zlib.adler32(page) with the checksum sent, and a page without one is as bad as a mismatch.",
             )
     return _verdict("checksum", True, "decode verifies every reserved page before it batches the request.")
 
@@ -294,6 +307,7 @@ def check_owner_check(fn: Callable[[list[int], dict[int, str | None], str], list
         ([5, 9, 2], {5: "bob-4", 9: "alice-2", 2: "alice-1"}, "bob-4", [9, 2]),
         ([1, 2], {1: "carol-7", 2: "carol-7"}, "carol-7", []),
         ([7], {}, "dan-1", [7]),  # never written: not the reader's either
+        ([4, 6], {4: "bob-4", 6: "bob-2"}, "bob-4", [6]),  # bob's own earlier request: not this one's
     ]
     for table, writers, reader, want in cases:
         got, bad = _run("owner_check", fn, table, dict(writers), reader)
@@ -304,7 +318,9 @@ def check_owner_check(fn: Callable[[list[int], dict[int, str | None], str], list
                 "owner_check",
                 False,
                 f"{reader} about to read pages {table} last written by "
-                f"{ {p: writers.get(p) for p in table} }: the foreign pages are {want}, you said {got!r}.",
+                f"{ {p: writers.get(p) for p in table} }: the pages it did not write itself are {want}, "
+                f"you said {got!r} (the tag is the request, not the tenant: a page bob's earlier "
+                "request wrote is stale for his next one).",
             )
     return _verdict("owner_check", True, "a check at every memory read, as Cloudflare's remaining work says.")
 
@@ -368,12 +384,22 @@ def check_catcher(fn: Callable[[Any], bool], replies: dict[str, Any]) -> Verdict
             return bad
         want = not case["leaked"]
         if bool(got) != want:
+            if case["leaked"] and not case.get("foreign_canaries"):
+                why = (
+                    "This answer shows none of another tenant's canaries, yet it was computed from "
+                    "their pages: only its time to first token gives it away (too_fast)."
+                )
+            elif case["leaked"]:
+                why = "Status and latency alone let the leak through: look at the content."
+            elif case["status"] != 200:
+                why = "A refusal is what the team expected for a prompt over the pool: it must pass."
+            else:
+                why = "This answer is clean: a test that fails it would fail every launch."
             return _verdict(
                 "catcher",
                 False,
                 f"case {name!r} (HTTP {case['status']}, {'leaked' if case['leaked'] else 'clean'}): "
-                f"your test "
-                f"said {'pass' if got else 'fail'}. Status and latency alone let the leak through.",
+                f"your test said {'pass' if got else 'fail'}. {why}",
             )
     return _verdict(
         "catcher", True, f"fails every leak and passes every clean answer ({len(replies)} cases)."
@@ -390,8 +416,9 @@ def check_possibly_affected(fn: Callable[[list[dict[str, Any]]], list[str]]) -> 
         {"id": "r4", "date": "2026-09-09", "prompt_tokens": 1_000_000},
         {"id": "r5", "date": "2026-09-10", "prompt_tokens": 1_000_000},  # after the window
         {"id": "r6", "date": "2026-09-03", "prompt_tokens": 12_000},
+        {"id": "r7", "date": "2026-09-05", "prompt_tokens": 681_281},  # one token past the pool
     ]
-    want = ["r2", "r4"]
+    want = ["r2", "r4", "r7"]
     got, bad = _run("possibly_affected", fn, log)
     if bad:
         return bad
@@ -400,7 +427,7 @@ def check_possibly_affected(fn: Callable[[list[dict[str, Any]]], list[str]]) -> 
             "possibly_affected",
             False,
             f"you said {sorted(got or [])}; the window is 27 August to 9 September 2026 inclusive and "
-            "every affected prompt was longer than 681,280 tokens: that leaves r2 and r4.",
+            "every affected prompt was longer than 681,280 tokens (the pool): that leaves r2, r4 and r7.",
         )
     return _verdict("possibly_affected", True, "question 4 answered from your own request log.")
 
@@ -417,6 +444,10 @@ def check_counterexample_bounds(bounds: dict[str, Any]) -> Verdict:
     ex = "counterexample_bounds"
     if not isinstance(bounds, dict) or not bounds.get("requests"):
         return _verdict(ex, False, "give a dict with requests ('alice:2,bob:3'), prefill_pages, ...")
+    for key in ("prefill_pages", "decode_pages", "context_pages"):
+        value = bounds.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return _verdict(ex, False, f"{key} is a number of pages, a whole number: you gave {value!r}.")
     try:
         sc = make_scenario(
             INCIDENT,
@@ -446,8 +477,11 @@ def check_counterexample_bounds(bounds: dict[str, Any]) -> Verdict:
             hint = f"the decode pool ({sc.decode_pages} pages) cannot preallocate {long[0]}'s full length."
         else:
             hint = (
-                f"{long[0]} over-runs the pool, but no other tenant's request writes pages before it: put "
-                "a tenant's request ahead of it."
+                f"{long[0]} takes the stub path, yet no read finds another tenant's page. The pool gives "
+                f"the last page freed first, and the stub's one-page transfer overwrites the first page "
+                f"{long[0]} gets: another tenant's request of 2 pages or more has to finish before "
+                f"{long[0]} is preallocated (where it stands in the list does not matter: requests "
+                "overtake each other in the queues)."
             )
         return _verdict(ex, False, f"no stale read in {bug.states_explored} states: {hint}")
     fixed = check_protocol(sc, replace(Fixes.all(), capacity_check=False))

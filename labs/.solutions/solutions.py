@@ -63,7 +63,7 @@ OVERSIZED_PREDICTION = "200"  # 04: not the error the team assumed
 
 
 def checksum(pages, checksums):  # 08
-    return [i for i, (p, c) in enumerate(zip(pages, checksums)) if zlib.adler32(p) != c]
+    return [i for i, p in enumerate(pages) if i >= len(checksums) or zlib.adler32(p) != checksums[i]]
 
 
 def owner_check(block_table, last_writer, reader):  # 09
