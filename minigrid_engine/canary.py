@@ -145,22 +145,38 @@ class CanaryHarness:
 class TTFTFloor:
     """Flags a first token that came faster than a real prefill of its prompt length allows.
 
-    Fed with (prompt tokens, TTFT) of prompts known to be really prefilled, it keeps the fastest
-    prefill rate seen; a response whose TTFT is below `prompt_tokens / fastest rate * margin` could
-    not have been computed from its whole prompt.
+    Fed with (prompt tokens, TTFT) of prompts known to be really prefilled, it models a prefill as
+    a fixed cost (the request's trip through router, prefill, transfer and decode) plus a cost per
+    prompt token, each the fastest seen: the fixed cost from the shortest prompts, the cost per token
+    from the longer ones. A response whose TTFT is below `fixed_margin` of the fixed cost plus
+    `margin` of the per-token cost could not have been computed from its whole prompt. With one
+    prompt length seen, the whole TTFT counts as per-token cost (a floor of `margin` x the
+    fastest rate), which misses stubs where the fixed cost dominates, as on a CPU.
     """
 
     margin: float = 0.5
-    fastest_tokens_per_s: float = 0.0
+    fixed_margin: float = 0.8  # a real prefill is never much faster than the fastest trip seen
+    observed: list[tuple[int, float]] = field(default_factory=list)
 
     def observe(self, prompt_tokens: int, ttft_s: float) -> None:
-        if ttft_s > 0:
-            self.fastest_tokens_per_s = max(self.fastest_tokens_per_s, prompt_tokens / ttft_s)
+        if prompt_tokens > 0 and ttft_s > 0:
+            self.observed.append((prompt_tokens, ttft_s))
+
+    def model(self) -> tuple[float, float]:
+        """(fixed cost s, cost per prompt token s): the fastest prefill the observations allow."""
+        if not self.observed:
+            return 0.0, 0.0
+        shortest = min(n for n, _ in self.observed)
+        longer = [(n, t) for n, t in self.observed if n >= 2 * shortest]
+        if not longer:  # one length seen: no fixed cost can be told apart
+            return 0.0, min(t / n for n, t in self.observed)
+        fixed = min(t for n, t in self.observed if n == shortest)
+        per_token = min(max(0.0, t - fixed) / (n - shortest) for n, t in longer)
+        return fixed, per_token
 
     def floor_s(self, prompt_tokens: int) -> float:
-        if self.fastest_tokens_per_s <= 0:
-            return 0.0
-        return self.margin * prompt_tokens / self.fastest_tokens_per_s
+        fixed, per_token = self.model()
+        return self.fixed_margin * fixed + self.margin * per_token * prompt_tokens
 
     def too_fast(self, prompt_tokens: int, ttft_s: float | None) -> bool:
         return ttft_s is not None and ttft_s < self.floor_s(prompt_tokens)

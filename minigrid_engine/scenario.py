@@ -28,6 +28,7 @@ RECORD = re.compile(r"([A-Z]+) ([a-z]+) ([A-Z0-9]{6,10});")
 
 
 CODE = re.compile(r"\b([A-Z0-9]{6,10});")
+TIMING_PROMPT = "a short prompt, timed."  # 22 tokens, shorter than any victim prompt (32 or more)
 
 
 def codes_in(text: str) -> set[str]:
@@ -60,7 +61,9 @@ class LeakReport:
     baseline_ttft_s: float | None = None  # a real prefill of a victim prompt, alone
     finding: Finding | None = None  # what the canary harness and the TTFT floor say
     attempt: int = 1
+    attempts: int = 1  # how many run_incident was allowed
     run_threshold: int = 24  # this many characters in a row of the victim's text are a leak
+    ttft_floor_s: float | None = None  # the fastest a real prefill of the attacker's prompt can be
 
     @property
     def too_fast(self) -> bool:
@@ -77,16 +80,52 @@ class LeakReport:
             out[p["last_writer_tenant"]] = out.get(p["last_writer_tenant"], 0) + 1
         return out
 
+    def content(self) -> str:
+        """What a content test says of the answer: the victim's codes, or a run of her text."""
+        if not self.reply.ok:
+            return f"no answer to test (HTTP {self.reply.status})"
+        if self.leaked_codes:
+            return f"LEAK: {self.victim}'s codes {', '.join(sorted(self.leaked_codes))}"
+        if self.leaked:
+            return f"LEAK: {self.longest_run} characters in a row of {self.victim}'s text"
+        return "clean"
+
+    def ttft_check(self) -> str:
+        r = self.reply
+        if not r.ok or r.ttft_s is None:
+            return f"no first token (HTTP {r.status}): nothing to time"
+        if not self.ttft_floor_s:
+            return "no real prefill was timed: no floor to compare with"
+        said = "faster than a real prefill allows" if self.too_fast else "plausible"
+        return (
+            f"{said} (first token in {r.ttft_s * 1000:.1f} ms; a real prefill of "
+            f"{len(self.attacker_prompt):,} tokens takes at least {self.ttft_floor_s * 1000:.1f} ms here)"
+        )
+
+    def attempts_line(self) -> str:
+        """Which attempt this report is, and why there were more than one."""
+        if not self.reply.ok:
+            return f"attempt {self.attempt} of {self.attempts}: {self.attacker}'s request was refused"
+        if self.leaked:
+            if self.attempt == 1:
+                return f"leaked on the first attempt (of {self.attempts} allowed)"
+            return (
+                f"leaked on attempt {self.attempt} of {self.attempts}: the earlier answers read "
+                f"{self.victim}'s pages too, but the tiny model made no readable text of them"
+            )
+        return f"no readable leak in {self.attempts} attempt(s); the pages read are counted below"
+
     def summary(self) -> str:
         r = self.reply
+        ttft = "none" if r.ttft_s is None else f"{r.ttft_s * 1000:.1f} ms"
         lines = [
-            f"{self.attacker}'s request: HTTP {r.status}, prompt_tokens={r.prompt_tokens}, "
-            f"ttft={r.ttft_s if r.ttft_s is None else round(r.ttft_s * 1000, 1)} ms",
+            f"{self.attacker}'s request: HTTP {r.status}, prompt_tokens={r.prompt_tokens}, ttft={ttft}",
             f"answer: {r.text!r}" if r.ok else f"error: {r.error}",
             f"{self.victim}'s secrets in the answer: {sorted(self.leaked_codes) or 'none'}",
             f"longest run of {self.victim}'s text in the answer: {self.longest_run} characters",
+            f"content test: {self.content()}",
             f"pages read, by last writer: {self.pages_by_tenant()}",
-            "TTFT check: " + ("faster than a real prefill allows" if self.too_fast else "plausible"),
+            f"TTFT check: {self.ttft_check()}",
         ]
         return "\n".join(lines)
 
@@ -127,7 +166,7 @@ def run_incident(
             seed + i,
             victim_shape,
         )
-        report.attempt = i + 1
+        report.attempt, report.attempts = i + 1, attempts
         if report.leaked or not report.reply.ok:
             break
     assert report is not None
@@ -178,8 +217,15 @@ def _incident_once(
         else canaries.shaped(victim, victim_shape, vlen)
         for _ in range(victim_prompts)
     ]
-    baseline = engine.complete(victim, vprompts[0], max_tokens=4)  # alone: a real prefill's TTFT
+    # Real prefills, alone, for the TTFT floor: short prompts time the trip's fixed cost (each takes
+    # the page the victim's baseline overwrites next, so the pool's state is as without them),
+    # one of the victim's prompts the cost per token.
     floor = TTFTFloor()
+    for _ in range(3):
+        short = engine.complete(victim, TIMING_PROMPT, max_tokens=1)
+        if short.ok and short.ttft_s:
+            floor.observe(short.prompt_tokens or len(TIMING_PROMPT), short.ttft_s)
+    baseline = engine.complete(victim, vprompts[0], max_tokens=4)
     if baseline.ok and baseline.ttft_s:
         floor.observe(len(vprompts[0]), baseline.ttft_s)
     with ThreadPoolExecutor(len(vprompts)) as pool:  # concurrent, in a fixed order of arrival
@@ -208,6 +254,7 @@ def _incident_once(
         baseline.ttft_s,
         finding=finding,
         run_threshold=canaries.run_threshold,
+        ttft_floor_s=floor.floor_s(alen) or None,
     )
 
 

@@ -76,3 +76,20 @@ def test_ttft_floor_flags_an_answer_faster_than_its_prefill() -> None:
     assert abs(floor.floor_s(1000) - 0.050) < 1e-9
     assert floor.too_fast(1000, 0.020)
     assert not floor.too_fast(1000, 0.080)
+
+
+def test_ttft_floor_with_a_fixed_cost_flags_a_stub_a_rate_alone_would_miss() -> None:
+    """Measured on the CPU engine: ~43 ms for any request, +0.04 ms a prompt token. A stub of a
+    700-token prompt answers in 44 ms; a real prefill of it takes ~71 ms."""
+    floor = TTFTFloor()
+    for ttft in (0.045, 0.043, 0.044):
+        floor.observe(22, ttft)  # short prompts: the trip's fixed cost
+    floor.observe(574, 0.066)  # a victim prompt, really prefilled
+    fixed, per_token = floor.model()
+    assert fixed == 0.043 and abs(per_token - 0.023 / 552) < 1e-12
+    assert floor.too_fast(700, 0.044)  # the stub
+    assert not floor.too_fast(700, 0.071)  # a real prefill of it
+    assert not floor.too_fast(30, 0.040)  # a short prompt a little faster than seen: no false alarm
+    only_rate = TTFTFloor()
+    only_rate.observe(574, 0.066)
+    assert not only_rate.too_fast(700, 0.044)  # what the rate alone said
