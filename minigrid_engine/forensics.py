@@ -16,7 +16,8 @@ Event = dict[str, Any]
 
 def reads_by_request(events: list[Event]) -> dict[str, list[dict[str, Any]]]:
     """One pass over a role's trace: request -> the pages it read, in block order, each with the
-    request and tenant whose data the slots it read held.
+    request and tenant whose data the slots it read held, and how long before the read that
+    data was written (`age_s`; None for a page never written, or scrubbed).
 
     A prefill or transfer write makes a page its writer's. A decode write of one token makes the
     page the writer's only when it is the page's first slot (offset 0): the request then reads
@@ -26,7 +27,7 @@ def reads_by_request(events: list[Event]) -> dict[str, list[dict[str, Any]]]:
 
     With several decode workers each has its own pool: a page is (worker, page), and each row
     names the worker it was read on (events without a worker count as one pool)."""
-    writer: dict[tuple[str | None, int], tuple[str | None, str | None]] = {}
+    writer: dict[tuple[str | None, int], tuple[str | None, str | None, float | None]] = {}
     out: dict[str, list[dict[str, Any]]] = {}
     seen: dict[str, set[tuple[str | None, int]]] = {}
     for e in events:
@@ -35,17 +36,24 @@ def reads_by_request(events: list[Event]) -> dict[str, list[dict[str, Any]]]:
             offset = e.get("detail", {}).get("offset")
             if offset is None or offset == 0:
                 for p in e["pages"]:
-                    writer[worker, p] = (req, e.get("tenant"))
+                    writer[worker, p] = (req, e.get("tenant"), e.get("time"))
         elif kind == "scrub":  # zeroed: written by nobody
             for p in e["pages"]:
-                writer[worker, p] = (None, None)
+                writer[worker, p] = (None, None, None)
         elif kind == "read" and req is not None:
             rows, done = out.setdefault(req, []), seen.setdefault(req, set())
             for i, p in enumerate(e["pages"]):
                 if (worker, p) not in done:
                     done.add((worker, p))
-                    who, tenant = writer.get((worker, p), (None, None))
-                    row = {"page": p, "block": i, "last_writer": who, "last_writer_tenant": tenant}
+                    who, tenant, at = writer.get((worker, p), (None, None, None))
+                    age = e["time"] - at if at is not None and e.get("time") is not None else None
+                    row = {
+                        "page": p,
+                        "block": i,
+                        "last_writer": who,
+                        "last_writer_tenant": tenant,
+                        "age_s": age,
+                    }
                     if worker is not None:
                         row["worker"] = worker
                     rows.append(row)

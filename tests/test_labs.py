@@ -104,6 +104,12 @@ def test_04_sizes_off_the_slider_and_a_size_that_cannot_start(tmp_path: Path) ->
     assert r["oversized_status"] == 200 and r["stubbed"] and r["oversized_prompt_tokens"] == 1008
 
 
+def test_04_ending_on_a_pool_that_holds_every_prompt_says_so(tmp_path: Path) -> None:
+    r = run("04_shrink_the_pool.ipynb", tmp_path, sizes=[2048, 1023])
+    assert r["audit"] == {"2048": True, "1023": False}  # it holds the longest prompt, not a full context
+    assert r["oversized_status"] is None and not r["stubbed"] and r["capacity_check_refused"]
+
+
 def test_05_leak_lab_shows_the_leak(tmp_path: Path) -> None:
     r = run("05_trigger_the_leak.ipynb", tmp_path, fixes="none")
     assert r["status"] == 200 and r["prompt_tokens"] == 1000
@@ -179,8 +185,11 @@ def test_09_memory_fixes(tmp_path: Path) -> None:
 
 def test_10_the_test_that_would_have_caught_it(tmp_path: Path) -> None:
     r = run("10_catch_it.ipynb", tmp_path)
-    assert r["cases"]["bob, faulty engine"]["leaked"]
-    assert not any(c["leaked"] for name, c in r["cases"].items() if name != "bob, faulty engine")
+    leaks = {"bob, faulty engine", "bob, faulty engine, a two-token answer"}
+    assert {name for name, c in r["cases"].items() if c["leaked"]} == leaks
+    # the leak cut to two tokens shows no secret: only the TTFT floor catches it
+    silent = r["cases"]["bob, faulty engine, a two-token answer"]
+    assert silent["status"] == 200 and not silent["foreign_canaries"] and silent["too_fast"]
 
 
 def test_11_postmortem_answers_the_questions(tmp_path: Path) -> None:
