@@ -76,6 +76,12 @@ class PoolFinding:
     @property
     def consequence(self) -> str:
         """What a too-small pool of this role does to a long request (a role not named: unified)."""
+        if self.role == "prefill" and self.capacity_tokens >= self.context_length - 1:
+            # the API keeps a token of the context for the answer: the longest prompt just fits
+            return (
+                "the longest prompt the API accepts just fits, with no margin; "
+                "the rule is a pool of at least the context"
+            )
         return SHORT_POOL_CONSEQUENCE.get(self.role, SHORT_POOL_CONSEQUENCE["unified"])
 
 

@@ -109,6 +109,12 @@ def test_each_short_pool_is_told_what_it_breaks(serve: Any) -> None:
     )
     alone = audit(serve({"/metrics": sglang_metrics("unified", [30_000], 32_768)}).url).text()
     assert alone.endswith(": a prompt plus its answer longer than the pool cannot be held")
+    # one token short: the longest prompt the API accepts (a token kept for the answer) still fits
+    edge = audit(serve({"/metrics": sglang_metrics("prefill", [1023], 1024)}).url).text()
+    assert edge.splitlines()[-1] == (
+        "FAIL: the prefill pool holds 1023 tokens < context length 1024: the longest prompt the API "
+        "accepts just fits, with no margin; the rule is a pool of at least the context"
+    )
 
 
 def test_without_metrics_the_audit_reads_server_info(serve: Any) -> None:
