@@ -470,9 +470,15 @@ def response(kind: str, result: Result, text: str, created: int) -> dict[str, An
 
 
 def chunk(
-    kind: str, request_id: str, created: int, text: str | None, finish_reason: str | None = None
+    kind: str,
+    request_id: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None = None,
+    include_usage: bool = False,
 ) -> dict[str, Any]:
-    """One stream event. For chat, `text=None` with no finish is the opening `role` delta."""
+    """One stream event. For chat, `text=None` with no finish is the opening `role` delta. Under
+    `stream_options.include_usage` every event but the last carries `"usage": null`, as OpenAI's do."""
     if kind == CHAT:
         if text is None and finish_reason is None:
             delta: dict[str, Any] = {"role": "assistant", "content": ""}
@@ -483,12 +489,13 @@ def chunk(
     else:
         choice = {"index": 0, "text": text or ""}
         head = {"id": response_id(kind, request_id), "object": "text_completion"}
-    return {
+    event = {
         **head,
         "created": created,
         "model": MODEL_ID,
         "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}],
     }
+    return {**event, "usage": None} if include_usage else event
 
 
 def usage_chunk(kind: str, result: Result, created: int) -> dict[str, Any]:

@@ -314,7 +314,8 @@ class Router:
             registry=self.registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
-        self.registry.register(_PoolCollector(self))
+        self.collector = _PoolCollector(self)
+        self.registry.register(self.collector)
 
     # -- workers -------------------------------------------------------------------------
     def start_workers(self, timeout_s: float = 120) -> None:
@@ -590,6 +591,7 @@ class Router:
         as many times as the restart limit allows."""
         t0 = time.monotonic()  # a restart's time is the outage: from the death to every worker Ready
         self._fail_pending(dead)
+        self.collector.keep_counts()  # what the survivors counted, before they are stopped
         self._stop(
             list(self.workers.values()), STOP_GRACE_S, f"stopped by the router after {self.recovery.cause}"
         )
@@ -897,13 +899,20 @@ class Router:
                     f"method {request.method} not allowed on {request.url.path}",
                     "invalid_request_error",
                     "method_not_allowed",
+                    headers=dict(exc.headers or {}),  # Allow: the methods the route takes (RFC 9110)
                 )
             return api_error(exc.status_code, str(exc.detail), "invalid_request_error")
 
         @app.exception_handler(RequestValidationError)
         async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
             # A query parameter of the wrong type: name it and what it got (str(exc) would show
-            # the handler's source file and line to the client)
+            # the handler's source file and line to the client); the key is checked first, as in
+            # the handlers, so that a stranger learns nothing of a route's parameters
+            if (
+                request.url.path.startswith("/v1/")
+                and router.tenant_of(request.headers.get("authorization")) is None
+            ):
+                return unauthorized()
             first = exc.errors()[0] if exc.errors() else {}
             loc = [str(x) for x in first.get("loc", ()) if x not in ("query", "path", "body")]
             param = loc[-1] if loc else None
@@ -1037,7 +1046,7 @@ class Router:
             pending: asyncio.Future[list[int]] | None = first
             try:
                 if kind == oai.CHAT:
-                    yield oai.sse(oai.chunk(kind, request_id, created, None))
+                    yield oai.sse(oai.chunk(kind, request_id, created, None, None, ask.include_usage))
                 while pending is not None:
                     if not pending.done():
                         both: set[asyncio.Future[Any]] = {pending, work}
@@ -1045,7 +1054,9 @@ class Router:
                     if pending.done():
                         delta = text.push(pending.result())
                         if delta:
-                            yield oai.sse(oai.chunk(kind, request_id, created, delta))
+                            yield oai.sse(
+                                oai.chunk(kind, request_id, created, delta, None, ask.include_usage)
+                            )
                         pending = asyncio.ensure_future(tokens.get())
                     else:  # the Result is in: it has every token, cut at the stop
                         pending.cancel()
@@ -1058,7 +1069,11 @@ class Router:
                 else:
                     answered(result)
                     tail = text.finish(result.output_ids)
-                    yield oai.sse(oai.chunk(kind, request_id, created, tail or None, result.finish_reason))
+                    yield oai.sse(
+                        oai.chunk(
+                            kind, request_id, created, tail or None, result.finish_reason, ask.include_usage
+                        )
+                    )
                     if ask.include_usage:
                         yield oai.sse(oai.usage_chunk(kind, result, created))
                 yield oai.sse("[DONE]")
@@ -1287,10 +1302,42 @@ class Router:
 
 
 class _PoolCollector:
-    """Reads each worker's pool and counters at scrape time (fresh numbers, never cached)."""
+    """Reads each worker's pool and counters at scrape time (fresh numbers, never cached).
+
+    A worker's counters live in its process and start again from 0 when it is restarted; the
+    collector keeps what each process had counted at its last scrape, and folds it into the totals
+    when a new process (another pid) answers for that worker, so that a counter never goes down
+    while the router runs. What a process counted after its last scrape dies with it."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[Any, dict[str, float]]] = {}  # worker -> (pid, counters)
+        self._retired: dict[str, float] = {}  # counted by worker processes since replaced
+
+    def _counted(self, worker: str, pid: Any, counters: dict[str, float]) -> None:
+        with self._lock:
+            before = self._last.get(worker)
+            if before is not None and before[0] != pid:
+                for key, value in before[1].items():
+                    self._retired[key] = self._retired.get(key, 0.0) + value
+            self._last[worker] = (pid, dict(counters))
+
+    def keep_counts(self) -> None:
+        """Read the counters of every worker still alive (a restart is about to stop them)."""
+        for w in self.router.workers.values():
+            if w.alive():
+                with contextlib.suppress(TimeoutError, ConnectionError, OSError):
+                    stats = self.router.query(w.worker, "stats", timeout_s=1)
+                    self._counted(w.worker, stats.get("pid"), stats.get("counters", {}))
+
+    def _totals(self) -> dict[str, float]:
+        with self._lock:
+            out = dict(self._retired)
+            for _, counters in self._last.values():
+                for key, value in counters.items():
+                    out[key] = out.get(key, 0.0) + value
+            return out
 
     def describe(self) -> list[Any]:
         return []
@@ -1311,7 +1358,6 @@ class _PoolCollector:
         w_out = GaugeMetricFamily(
             "minigrid_worker_requests_outstanding", "Requests paired with the worker", labels=per
         )
-        counters: dict[str, float] = {}
         for role in ROLES:
             links = r.links(role)
             ready = [w.ready for w in links if w.ready is not None]
@@ -1333,8 +1379,7 @@ class _PoolCollector:
                     continue
                 w_used.add_metric(labels, stats["pages_in_use"])
                 in_use = (in_use or 0) + stats["pages_in_use"]
-                for key, value in stats["counters"].items():
-                    counters[key] = counters.get(key, 0) + value
+                self._counted(w.worker, stats.get("pid"), stats["counters"])
             if in_use is not None:
                 used.add_metric([role], in_use)
         yield cap
@@ -1363,6 +1408,7 @@ class _PoolCollector:
         page.add_metric([], r.cfg.page_size)
         yield page
         # Counted by the fixes that detect them; they stay at zero while those fixes are off.
+        counters = self._totals()
         for name, key, doc in (
             (
                 "minigrid_kv_checksum_mismatches",

@@ -429,6 +429,11 @@ def test_a_client_gone_while_its_body_arrives_costs_nothing(engine: Engine) -> N
     assert engine.complete("alice", PROMPT, max_tokens=4).ok
 
 
+def test_without_a_key_a_bad_parameter_is_still_a_401(http: httpx.Client) -> None:
+    assert_api_error(http.get("/v1/minigrid/trace?since=abc"), 401, "invalid_api_key")
+    assert_api_error(http.get("/v1/minigrid/trace?since=abc", headers=ALICE), 400, "invalid_value")
+
+
 def test_tenant_keys_never_open_the_admin_views(http: httpx.Client) -> None:
     for path in ("/v1/minigrid/pools", "/v1/minigrid/integrity"):
         assert_api_error(http.get(path, headers=ALICE), 403, "forbidden")
@@ -455,7 +460,11 @@ ROUTES = [
 def test_unknown_routes_and_wrong_methods(
     http: httpx.Client, method: str, path: str, status: int, code: str
 ) -> None:
-    assert_api_error(http.request(method, path, headers=ALICE), status, code)
+    reply = http.request(method, path, headers=ALICE)
+    assert_api_error(reply, status, code)
+    if status == 405:  # and which methods the route does take
+        allow = {m.strip() for m in reply.headers["allow"].split(",")}
+        assert ("GET" if path in ("/health", "/metrics") else "POST") in allow and method not in allow
 
 
 def test_an_oversized_body_is_refused_by_its_declared_length(engine: Engine) -> None:

@@ -199,6 +199,24 @@ def test_a_streamed_completion_is_the_whole_one_in_pieces(client: openai.OpenAI,
     assert chunks[-1].usage.completion_tokens == len(want.text.encode()) + stopped
 
 
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_stream_events_carry_usage_null_only_when_usage_is_asked(engine: Engine, include_usage: bool) -> None:
+    """As OpenAI's: under include_usage every event but the last says "usage": null."""
+    body: dict[str, object] = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6}
+    body |= {"stream": True, "stream_options": {"include_usage": include_usage}}
+    with httpx.stream(
+        "POST", f"{engine.url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-alice"}
+    ) as r:
+        lines = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    events = [json.loads(line) for line in lines[:-1]]
+    if include_usage:
+        assert all(e["usage"] is None for e in events[:-1]) and len(events) > 2
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6
+    else:
+        assert not any("usage" in e for e in events)
+
+
 def test_a_streamed_chat_is_the_whole_one_in_pieces(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": PROMPT}]
     want = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30)

@@ -195,6 +195,8 @@ def test_a_decode_worker_killed_while_idle_is_restarted_and_the_engine_serves_ag
     with Engine.start(incident_preset(tenants=TENANTS)) as eng:
         before = eng.complete("alice", prompts["alice"], max_tokens=16)
         _own_codes_only("alice", prompts["alice"], before)
+        stubbed = eng.complete("carol", record_prompt("carol", 900, rng, 4), max_tokens=4)
+        assert stubbed.status == 200 and eng.metrics()["minigrid_prefill_stubbed_requests_total"] == 1
         old = eng.worker_pids()
         os.kill(old["decode"], signal.SIGKILL)
         body = eng.wait_health("restarting", "down", timeout_s=30)
@@ -229,6 +231,10 @@ def test_a_decode_worker_killed_while_idle_is_restarted_and_the_engine_serves_ag
         _no_secret_of(prompts, after, "bob")
         _whole_again(eng)
         assert eng.metrics()["minigrid_worker_restarts_total"] == 1
+        # the counters the dead processes held stay counted: a _total never goes down
+        assert eng.metrics()["minigrid_prefill_stubbed_requests_total"] == 1
+        stubbed = eng.complete("carol", record_prompt("carol", 900, rng, 4), max_tokens=4)
+        assert eng.metrics()["minigrid_prefill_stubbed_requests_total"] == 2
         assert "restarted every local worker in" in eng.log()
 
 
