@@ -99,7 +99,7 @@ class LeakReport:
         said = "faster than a real prefill allows" if self.too_fast else "plausible"
         return (
             f"{said} (first token in {r.ttft_s * 1000:.1f} ms; a real prefill of "
-            f"{len(self.attacker_prompt):,} tokens takes at least {self.ttft_floor_s * 1000:.1f} ms here)"
+            f"{r.prompt_tokens or len(self.attacker_prompt):,} tokens takes at least {self.ttft_floor_s * 1000:.1f} ms here)"
         )
 
     def attempts_line(self) -> str:
