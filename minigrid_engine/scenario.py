@@ -97,9 +97,10 @@ class LeakReport:
         if not self.ttft_floor_s:
             return "no real prefill was timed: no floor to compare with"
         said = "faster than a real prefill allows" if self.too_fast else "plausible"
+        n = r.prompt_tokens or len(self.attacker_prompt)
         return (
-            f"{said} (first token in {r.ttft_s * 1000:.1f} ms; a real prefill of "
-            f"{r.prompt_tokens or len(self.attacker_prompt):,} tokens takes at least {self.ttft_floor_s * 1000:.1f} ms here)"
+            f"{said} (first token in {r.ttft_s * 1000:.1f} ms; a real prefill of {n:,} tokens "
+            f"takes at least {self.ttft_floor_s * 1000:.1f} ms here)"
         )
 
     def attempts_line(self) -> str:
