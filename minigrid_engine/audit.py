@@ -166,7 +166,11 @@ class AuditReport:
             lines.append(f"  the servers advertise different context lengths ({stated}): the largest applies")
         show_source = len(self.urls) > 1 or any(p.engine != "minigrid" for p in self.pools)
         for p in self.pools:
-            verdict = "ok" if p.covers else f"TOO SMALL by {p.shortfall_tokens:,} tokens"
+            verdict = (
+                "ok"
+                if p.covers
+                else f"TOO SMALL by {p.shortfall_tokens:,} token{'s' * (p.shortfall_tokens != 1)}"
+            )
             where = f"  [{p.source}]" if show_source else ""
             lines.append(f"  {p.role:8s} KV pool {p.capacity_tokens:>9,} tokens  {verdict}{where}")
         lines += [v.text() for v in self.versions]

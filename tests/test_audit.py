@@ -111,6 +111,7 @@ def test_each_short_pool_is_told_what_it_breaks(serve: Any) -> None:
     assert alone.endswith(": a prompt plus its answer longer than the pool cannot be held")
     # one token short: the longest prompt the API accepts (a token kept for the answer) still fits
     edge = audit(serve({"/metrics": sglang_metrics("prefill", [1023], 1024)}).url).text()
+    assert "TOO SMALL by 1 token " in edge
     assert edge.splitlines()[-1] == (
         "FAIL: the prefill pool holds 1023 tokens < context length 1024: the longest prompt the API "
         "accepts just fits, with no margin; the rule is a pool of at least the context"
