@@ -27,7 +27,8 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -340,7 +341,9 @@ class Router:
         authkey = self.authkey or secrets.token_bytes(32)
         env = dict(os.environ, MINIGRID_AUTHKEY=authkey.hex())
         try:
-            listener = Listener(_host_port(self.cfg.worker_listen), authkey=authkey)
+            # no authkey here: each connection's key check runs in its own thread (hello), so that a
+            # stray or slow caller (a port scan, a worker with the wrong key) holds up nobody
+            listener = Listener(_host_port(self.cfg.worker_listen))
         except OSError as exc:
             raise ConfigError(
                 f"--worker-listen {self.cfg.worker_listen}: cannot listen for workers there "
@@ -392,7 +395,19 @@ class Router:
             print(f"minigrid: {line}", file=sys.stderr, flush=True)
         accepted: queue.Queue[tuple[Connection, object]] = queue.Queue()
 
-        def hello(conn: Connection) -> None:  # Ready, or (a remote worker) Join first
+        def hello(conn: Connection) -> None:  # the key, then Ready, or (a remote worker) Join first
+            try:
+                deliver_challenge(conn, authkey)
+                answer_challenge(conn, authkey)
+            except (AuthenticationError, EOFError, OSError) as exc:
+                why = (
+                    "a wrong key (not this router's --authkey-file)"
+                    if isinstance(exc, AuthenticationError)
+                    else "it left before the key check (a port scan?)"
+                )
+                print(f"minigrid: refused a connection to {router_addr}: {why}", file=sys.stderr, flush=True)
+                conn.close()
+                return
             first = _recv(conn)
             if isinstance(first, Join):
                 assign = self._assign(first)

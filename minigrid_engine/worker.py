@@ -419,8 +419,14 @@ def run_worker(
     peers = Peers()
     if role == "prefill":
         with Listener((cfg.transfer_host, peer_ports[index]), authkey=authkey) as listener:
-            for _ in range(cfg.decode_workers):
-                conn = listener.accept()
+            joined = 0
+            while joined < cfg.decode_workers:
+                try:
+                    conn = listener.accept()
+                except (AuthenticationError, EOFError, ConnectionError) as exc:  # not a peer: next
+                    log.warning("%s: refused a connection to the KV transfer port: %r", worker_id, exc)
+                    continue
+                joined += 1
                 hello = conn.recv()
                 if not isinstance(hello, PeerHello):
                     raise RuntimeError(f"{worker_id}: a peer said {hello!r} instead of PeerHello")

@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -195,6 +196,7 @@ def test_prefill_and_decode_on_two_hosts(hosts: Hosts, fixes: str, tmp_path: Pat
 
 
 def test_a_worker_with_the_wrong_key_is_refused(tmp_path: Path) -> None:
+    """...and neither it nor a bare connection (a port scan) keeps the right worker out."""
     good, bad = tmp_path / "good", tmp_path / "bad"
     good.write_text(secrets.token_hex(32))
     bad.write_text(secrets.token_hex(32))
@@ -215,11 +217,16 @@ def test_a_worker_with_the_wrong_key_is_refused(tmp_path: Path) -> None:
             listen,
             "--authkey-file",
             str(good),
+            "--transfer-host",
+            "127.0.0.2",
+            "--ready-file",
+            str(tmp_path / "ready"),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
+    joined = None
     try:
         deadline = time.monotonic() + 60
         worker = None
@@ -242,6 +249,26 @@ def test_a_worker_with_the_wrong_key_is_refused(tmp_path: Path) -> None:
         assert "refused this worker's key" in worker.stderr and "Traceback" not in worker.stderr, (
             worker.stderr
         )
+        host, port = listen.split(":")
+        socket.create_connection((host, int(port)), timeout=5).close()  # connects, says nothing
+        stalled = socket.create_connection((host, int(port)), timeout=5)  # connects, stays silent
+        joined = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "minigrid_engine.cli", "worker", "--role", "decode"),
+                *("--router", listen, "--authkey-file", str(good), "--dist-addr", "127.0.0.2"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready").exists():
+            assert serve.poll() is None and time.monotonic() < deadline, "the right worker never joined"
+            time.sleep(0.2)
+        stalled.close()
     finally:
-        serve.terminate()
-        serve.wait(timeout=15)
+        for proc in (joined, serve):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=15)
+    said = serve.stderr.read() if serve.stderr else ""
+    assert "refused a connection to " in said and "a wrong key" in said and "Traceback" not in said, said
