@@ -385,10 +385,15 @@ def cmd_faults(args: argparse.Namespace) -> int:
     from minigrid_engine.fault_campaign import run_campaign, select
 
     cases = select(args.only)  # a ConfigError (exit 2) names the cases on a typo
+    if args.out is not None:  # checked before a campaign of minutes, not after it
+        try:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise MinigridError(f"--out {args.out}: cannot make its folder ({exc.strerror or exc})") from None
+        _check_writable(args.out, "--out")
     report = run_campaign(cases, progress=_progress(args.json), restart_wait_s=args.restart_wait)
     text = report.to_json()
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
     print(text if args.json else report.table())
     return 0 if report.ok else 1

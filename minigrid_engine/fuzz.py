@@ -33,6 +33,7 @@ from minigrid_engine.errors import ConfigError
 from minigrid_engine.handle import Engine
 
 NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi")
+MAX_TENANTS = 1000  # each is a key on the engine's command line
 ROLES = ("prefill", "decode")
 
 
@@ -50,10 +51,16 @@ class FuzzConfig:
     settle_s: float = 30.0  # how long pages may take to come back once the campaign is over
 
     def __post_init__(self) -> None:
-        if self.requests < 1 or self.tenants < 2 or self.concurrency < 1 or self.max_tokens < 1:
-            raise ConfigError(
-                "a campaign needs requests >= 1, tenants >= 2, concurrency >= 1, max_tokens >= 1"
-            )
+        bounds = (
+            ("requests", self.requests, 1, None),
+            ("tenants", self.tenants, 2, MAX_TENANTS),
+            ("concurrency", self.concurrency, 1, None),
+            ("max-tokens", self.max_tokens, 1, None),
+        )
+        for flag, value, least, most in bounds:
+            if value < least or (most is not None and value > most):
+                within = f"from {least} to {most:,}" if most is not None else f"at least {least}"
+                raise ConfigError(f"--{flag} {value}: a campaign needs {within}")
         if not 0 <= self.abort_rate <= 1:
             raise ConfigError(f"--abort-rate {self.abort_rate} must be between 0 and 1")
 
@@ -404,6 +411,12 @@ class Campaign:
 def fuzz(cfg: ServeConfig, campaign: FuzzConfig | None = None, progress: bool = False) -> FuzzReport:
     """Start an engine on `cfg` with the campaign's tenants, run the campaign, stop the engine."""
     campaign = campaign or FuzzConfig()
+    if campaign.max_tokens >= cfg.context_length:
+        raise ConfigError(
+            f"--max-tokens {campaign.max_tokens} leaves no room for a prompt in a context of "
+            f"{cfg.context_length} tokens (--context-length): give --max-tokens "
+            f"{max(1, cfg.context_length - 1)} at most"
+        )
     tenants = tenant_keys(campaign.tenants, random.Random(campaign.seed))
     with Engine.start(cfg.with_(tenants=tenants)) as eng:
         return asyncio.run(Campaign(eng, eng.cfg or cfg, campaign, progress).run())

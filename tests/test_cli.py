@@ -72,6 +72,12 @@ from minigrid_engine.cli import build_parser
             "argument --concurrency: 0 must be at least 1",
         ),
         (["faults", "--only", ""], "--only '' names no case"),
+        (["faults", "--only", "drop-done", "--out", "/"], "--out /: is a folder; give a file name"),
+        (
+            ["fuzz", "--max-tokens", "5000"],
+            "--max-tokens 5000 leaves no room for a prompt in a context of 1024 tokens",
+        ),
+        (["fuzz", "--tenants", "1"], "--tenants 1: a campaign needs from 2 to 1,000"),
         (
             ["serve", "--fixes", "none", "--page-size", "5000", "--prefill-pool-tokens", "5000"],
             "--page-size 5000: at most 4096 tokens per page",

@@ -177,6 +177,19 @@ def test_a_server_that_is_not_openai_compatible_is_named(serve: Any) -> None:
     assert "--max-tokens 40000 leaves 0 of the context's 32768 tokens" in proc.stderr, proc.stderr
 
 
+def test_prompt_lengths_the_context_refuses_are_named_before_anything_is_sent(serve: Any) -> None:
+    """A 32,750-token prompt with 48 answer tokens exceeds the 32,768-token context: the server's
+    400 would say nothing of its pools, and a run of such prompts would pass as clean."""
+    other = OtherServer(leaky=True)
+    server = serve({"/v1/models": other.models, "/v1/completions": other.complete})
+    proc = minigrid("probe", "--url", server.url, "--tenants", TENANTS, "--prompt-tokens", "1000,32750")
+    assert proc.returncode == 2 and not other.streamed, proc.stdout + proc.stderr
+    assert (
+        "--prompt-tokens 32750 with --max-tokens 48 exceed the context of 32768 tokens" in proc.stderr
+        and "at most 32720 tokens" in proc.stderr
+    ), proc.stderr
+
+
 def test_a_context_above_the_stated_one_is_probed_not_calibrated_at(serve: Any) -> None:
     """--context-length 40000 on a 32,768-token server: calibration stays within what the server
     takes; the prompts past its context get their 400, which is the right answer."""
