@@ -13,6 +13,11 @@ REFUSAL_MARK = "minigrid-refusal: "
 class MinigridError(Exception):
     """Base of every error minigrid raises deliberately."""
 
+    def _render_traceback_(self) -> list[str]:
+        """In a notebook, the message a learner can act on instead of a traceback (IPython calls
+        this when the exception reaches the cell)."""
+        return [f"{type(self).__name__}: {self}"]
+
 
 class ConfigError(MinigridError, ValueError):
     """A configuration value that cannot work (names the value and the constraint)."""

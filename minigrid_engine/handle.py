@@ -87,6 +87,8 @@ class EngineUnreachable(MinigridError):
 class _Client(httpx.Client):
     """httpx, with the handle's failures said in the handle's terms instead of httpx's."""
 
+    hint = "is it still running? Engine.start() starts a new one"  # a connected handle says its own
+
     def build_request(self, *args: Any, **kwargs: Any) -> httpx.Request:
         try:
             return super().build_request(*args, **kwargs)
@@ -100,8 +102,7 @@ class _Client(httpx.Client):
             return super().send(request, **kwargs)
         except httpx.TransportError as exc:
             raise EngineUnreachable(
-                f"cannot reach the engine at {self.base_url}: {exc or type(exc).__name__} "
-                "(is it still running? Engine.start() starts a new one)"
+                f"cannot reach the engine at {self.base_url}: {exc or type(exc).__name__} ({self.hint})"
             ) from None
 
 
@@ -136,6 +137,8 @@ class Engine:
         self.cfg = cfg
         self.tenant = "admin" if admin_key else None  # who `connect(url, key)` is; see trace()
         self.http = _Client(base_url=self.url, timeout=120)
+        if proc is None:  # an engine someone else runs (a workshop room, another host)
+            self.http.hint = "is the URL right, and is the engine running? ask whoever runs it"
 
     # -- lifecycle -----------------------------------------------------------------------
     @classmethod
@@ -212,7 +215,10 @@ class Engine:
             r = eng.http.get(
                 "/v1/minigrid/config", headers={"Authorization": f"Bearer {api_key}"}, timeout=timeout_s
             )
-        except (httpx.HTTPError, EngineUnreachable) as exc:
+        except EngineUnreachable:  # it says where and why
+            eng.http.close()
+            raise
+        except httpx.HTTPError as exc:
             eng.http.close()
             raise MinigridError(
                 f"cannot reach the engine at {eng.url}: {exc} (is the URL right, and is the engine running?)"

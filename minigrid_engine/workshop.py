@@ -79,9 +79,11 @@ def make_room(n: int, url: str = "") -> Room:
 
 
 def keys_paths(path: Path) -> tuple[Path, Path]:
-    """The text/CSV file (as given) and its JSON twin beside it (same name, `.json`)."""
-    json_path = path.with_suffix(".json") if path.suffix != ".json" else path.with_suffix(".keys.json")
-    return path, json_path
+    """The CSV file and its JSON twin beside it: the name given is the CSV, unless it ends in
+    `.json` (then it is the JSON, and the CSV is the same name in `.csv`)."""
+    if path.suffix == ".json":
+        return path.with_suffix(".csv"), path
+    return path, path.with_suffix(".json")
 
 
 def check_keys_file(path: Path, overwrite: bool) -> None:
@@ -154,6 +156,7 @@ class LeakSizes:
     answer_tokens: int
     secret_tokens: int
     oversized_tokens: int | None  # None: the pool holds every prompt the room accepts
+    fixes: tuple[str, ...] = ()  # the room's fixes when the sizes were read
 
     @classmethod
     def of_room(cls, room: dict[str, Any], answer_tokens: int = 48) -> LeakSizes:
@@ -170,6 +173,7 @@ class LeakSizes:
             answer,
             secret_tokens=max(16, (min(pool, context) - 24) * 7 // 8),  # with its 24-token answer
             oversized_tokens=oversized,
+            fixes=tuple(room.get("fixes") or ()),
         )
 
     def describe(self) -> str:
@@ -183,8 +187,14 @@ class LeakSizes:
             f"the oversized prompt: {self.oversized_tokens:,} tokens, larger than the "
             f"{self.prefill_pool_tokens:,}-token prefill pool; with its {self.answer_tokens}-token answer "
             f"it fills the {self.context_length:,}-token context ({pages} pages of {self.page_size}). "
-            f"Prefill replaces it with a one-token placeholder and writes one page; decode reserved "
-            f"{pages} and reads them all."
+            + (
+                f"Without fixes, prefill would replace it with a one-token placeholder and write one page, "
+                f"and decode would read all {pages} it reserved; this room runs {', '.join(self.fixes)}: "
+                "the reply below says what they do instead."
+                if self.fixes
+                else f"Prefill replaces it with a one-token placeholder and writes one page; decode "
+                f"reserved {pages} and reads them all."
+            )
         )
 
 

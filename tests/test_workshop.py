@@ -29,6 +29,7 @@ from minigrid_engine.workshop import (
     ROOM_FIXES,
     LeakSizes,
     Room,
+    keys_paths,
     load_keys,
     oversized_prompt,
     secret_codes,
@@ -100,6 +101,16 @@ def test_leak_sizes_follow_the_rooms_numbers(
     if oversized is not None:
         assert pool < oversized and oversized + answer == context
         assert f"{-(-context // page)} pages of {page}" in sizes.describe()
+        assert "decode reserved" in sizes.describe()
+        fixed = LeakSizes.of_room(
+            {
+                "context_length": context,
+                "prefill_pool_tokens": pool,
+                "page_size": page,
+                "fixes": ["owner-check"],
+            }
+        )
+        assert "Without fixes" in fixed.describe() and "this room runs owner-check" in fixed.describe()
     else:
         assert "no oversized prompt" in sizes.describe()
 
@@ -229,8 +240,11 @@ def test_switching_fixes_under_load_fails_no_request(room: Workshop) -> None:
 def test_connect_errors_name_the_problem(room: Workshop, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(MinigridError, match="refused this API key"):
         Engine.connect(room.url, "sk-wrong")
-    with pytest.raises(MinigridError, match="cannot reach the engine"):
+    with pytest.raises(MinigridError, match="cannot reach the engine") as down:
         Engine.connect(f"http://127.0.0.1:{free_port()}", "sk-x", timeout_s=2)
+    said = str(down.value)  # once, and no advice to start an engine of one's own
+    assert said.count("cannot reach") == 1 and "Engine.start()" not in said and "whoever runs it" in said
+    assert down.value._render_traceback_() == [f"EngineUnreachable: {said}"]  # a notebook shows this line
     monkeypatch.delenv("MINIGRID_URL", raising=False)
     with pytest.raises(MinigridError, match="MINIGRID_URL"):
         Engine.connect(api_key="sk-x")
@@ -255,3 +269,17 @@ def test_cli_refuses_bad_workshops_before_starting(
         assert main(["serve", *flags]) == 2, flags
         assert says in capsys.readouterr().err, flags
     assert taken.read_text() == "handed out yesterday\n"
+
+
+@pytest.mark.parametrize(
+    ("given", "csv_name", "json_name"),
+    [
+        ("room.csv", "room.csv", "room.json"),
+        ("room.json", "room.csv", "room.json"),
+        ("keys", "keys", "keys.json"),
+    ],
+)
+def test_a_keys_file_named_json_gets_the_json(
+    given: str, csv_name: str, json_name: str, tmp_path: Path
+) -> None:
+    assert keys_paths(tmp_path / given) == (tmp_path / csv_name, tmp_path / json_name)
