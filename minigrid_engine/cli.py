@@ -421,7 +421,9 @@ def cmd_check_protocol(args: argparse.Namespace) -> int:
     settings = {args.fixes: parse_fixes(args.fixes)} if args.fixes is not None else protocol.fix_settings()
     jobs = [(sc, name, fixes) for sc in scenarios for name, fixes in settings.items()]
     results = []
-    for sc, name, fixes in tqdm(jobs, desc="model check", unit="run", disable=args.json or len(jobs) < 2):
+    for sc, name, fixes in tqdm(
+        jobs, desc="model check", unit="run", disable=not _progress(args.json) or len(jobs) < 2
+    ):
         results.append((sc, name, protocol.check_protocol(sc, fixes)))
     if args.json:
         print(json.dumps([r.to_dict() for _, _, r in results], indent=2))

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from minigrid_engine.errors import ConfigError
+from minigrid_engine.errors import ConfigError, counted
 from minigrid_engine.fixes import Fixes
 from minigrid_engine.request import TRANSITIONS, IllegalTransition, State
 
@@ -124,6 +124,12 @@ def make_scenario(base: Scenario, **bounds: object) -> Scenario:
             raise ConfigError(
                 f"request {r.name}: {r.pages} pages; prompts run from 1 page to the context length "
                 f"({sc.context_pages} pages): longer ones get 400 at the router, before the protocol"
+            )
+        if r.pages > sc.decode_pages:
+            raise ConfigError(
+                f"request {r.name}: {r.pages} pages, more than the whole decode pool "
+                f"({counted(sc.decode_pages, 'page')}): the engine refuses it with a 400 before any "
+                f"page, so nothing of it would be checked; give --decode-pages {r.pages} or more"
             )
     for what in ("losses", "duplicates"):
         if not 0 <= getattr(sc, what) <= 3:
@@ -237,7 +243,8 @@ class ModelCheckResult:
     def format(self) -> str:
         head = f"protocol model check: scenario {self.scenario}, fixes {self.fixes}"
         if self.refused_to_start:
-            return f"{head}\n  capacity-check: the engine refuses to start (prefill pool < context length)"
+            why = "a KV pool smaller than the context length"
+            return f"{head}\n  capacity-check: the engine refuses to start ({why})"
         lines = [head, f"  {self.states_explored} states explored, {self.transitions} transitions"]
         if not self.complete:
             lines.append("  search cut short at max_states: no verdict")
@@ -688,7 +695,7 @@ def check_protocol(scenario: Scenario = INCIDENT, fixes: Fixes | None = None) ->
     fixes = Fixes.none() if fixes is None else fixes
     model = Protocol(scenario, fixes)
     result = ModelCheckResult(scenario.name, str(fixes), 0, 0, None, edges=model.edges)
-    if fixes.capacity_check and scenario.prefill_pages < scenario.context_pages:
+    if fixes.capacity_check and min(scenario.prefill_pages, scenario.decode_pages) < scenario.context_pages:
         result.refused_to_start = True  # fix `capacity-check`: nothing runs, nothing leaks
         return result
     start = model.initial()

@@ -37,6 +37,8 @@ def test_none_counterexample_is_the_incident() -> None:
 
 def test_all_fixes_hold() -> None:
     assert check_protocol(INCIDENT, Fixes.all()).refused_to_start
+    short_decode = replace(INCIDENT, prefill_pages=4, decode_pages=3, context_pages=4)
+    assert check_protocol(short_decode, Fixes.all()).refused_to_start  # every pool, as the engine does
     for sc in (INCIDENT, LATE_TRANSFER, COMBINED):
         r = check_protocol(sc, FIXED)
         assert r.safe and r.complete, r.format()
