@@ -95,11 +95,18 @@ def workers_per_role(text: str) -> int:
 
 def _pool_config(args: argparse.Namespace, default_tokens: int):  # -> PoolConfig
     from minigrid_engine.model import ModelConfig
-    from minigrid_engine.pool import PoolConfig
+    from minigrid_engine.pool import MAX_PAGE_SIZE, PoolConfig
 
+    if args.page_size > MAX_PAGE_SIZE:
+        raise MinigridError(f"--page-size {args.page_size}: at most {MAX_PAGE_SIZE} tokens per page")
     if args.pool_memory is not None:
         return PoolConfig.from_memory_budget(args.pool_memory, args.page_size, ModelConfig())
-    return PoolConfig(args.pool_tokens or default_tokens, args.page_size)
+    tokens = args.pool_tokens or default_tokens
+    if tokens < args.page_size:
+        raise MinigridError(
+            f"--pool-tokens {tokens} is smaller than one page of --page-size {args.page_size} tokens"
+        )
+    return PoolConfig(tokens, args.page_size)
 
 
 def _add_pool_flags(p: argparse.ArgumentParser) -> None:
@@ -138,8 +145,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = ByteTokenizer()
     ids = tok.encode(prompt)  # bad prompts, stops and sampling fail before the model loads
     stops = [tok.decode(tok.encode(os.fsencode(s), "a stop sequence")) for s in args.stop or ()]
-    check_temperature(args.temperature)
-    check_seed(args.seed)
+    for check, flag, value in (
+        (check_temperature, "--temperature", args.temperature),
+        (check_seed, "--seed", args.seed),
+    ):
+        try:
+            check(value)
+        except MinigridError as exc:  # said as the API says it: name the flag too
+            raise MinigridError(f"{flag} {value}: {exc}") from None
     pool = _pool_config(args, max(2 * args.context_length, args.page_size))  # two contexts, a page at least
     engine = Engine(pool=pool, context_length=args.context_length, attention=args.attention)
     print(engine.pool.describe(), file=sys.stderr)

@@ -72,6 +72,9 @@ from minigrid_engine.cli import build_parser
             "argument --concurrency: 0 must be at least 1",
         ),
         (["faults", "--only", ""], "--only '' names no case"),
+        (["pool", "--page-size", "99999"], "--page-size 99999: at most 4096 tokens per page"),
+        (["pool", "--pool-tokens", "100"], "--pool-tokens 100 is smaller than one page of --page-size 128"),
+        (["generate", "--prompt", "x", "--temperature", "-1"], "--temperature -1.0: 'temperature' must be"),
         (["faults", "--only", "drop-done", "--out", "/"], "--out /: is a folder; give a file name"),
         (
             ["fuzz", "--max-tokens", "5000"],
