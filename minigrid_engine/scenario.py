@@ -190,6 +190,20 @@ def _check_sizes(engine: Handle, **given: int) -> None:
         )
 
 
+def _held_at_once(engine: Handle, replies: list[Reply]) -> bool:
+    """Whether the victim's requests held their decode pages at the same time (no page of one pool
+    reserved by two of them). They do when the first is still decoding as the next is admitted;
+    on a stalled machine the first may finish before, the next then takes the same pages back, and
+    the attacker's reservation reaches pages nobody wrote: a different scene from the incident's."""
+    ids = {r.request_id for r in replies if r.request_id}
+    held: dict[str, set[tuple[Any, int]]] = {}
+    for e in engine.trace()["decode"]:
+        if e["kind"] == "reserve" and e.get("request") in ids:
+            held[e["request"]] = {(e.get("worker"), p) for p in e["pages"]}
+    sets = list(held.values())
+    return all(a.isdisjoint(b) for i, a in enumerate(sets) for b in sets[i + 1 :])
+
+
 def _incident_once(
     engine: Handle,
     context_length: int,
@@ -229,12 +243,15 @@ def _incident_once(
     baseline = engine.complete(victim, vprompts[0], max_tokens=4)
     if baseline.ok and baseline.ttft_s:
         floor.observe(len(vprompts[0]), baseline.ttft_s)
-    with ThreadPoolExecutor(len(vprompts)) as pool:  # concurrent, in a fixed order of arrival
-        futures = []
-        for p in vprompts:
-            futures.append(pool.submit(engine.complete, victim, p, max_tokens=max_tokens))
-            time.sleep(0.05)
-        vreplies = [f.result() for f in futures]
+    for _ in range(3):  # at most twice more when a stalled machine ran them one after the other
+        with ThreadPoolExecutor(len(vprompts)) as pool:  # concurrent, in a fixed order of arrival
+            futures = []
+            for p in vprompts:
+                futures.append(pool.submit(engine.complete, victim, p, max_tokens=max_tokens))
+                time.sleep(0.05)
+            vreplies = [f.result() for f in futures]
+        if not all(r.ok for r in vreplies) or _held_at_once(engine, vreplies):
+            break
     aprompt = canaries.prompt(attacker, alen, 10)
     reply = engine.complete(attacker, aprompt, max_tokens=max_tokens)
     finding = canaries.check(attacker, reply.text) if reply.ok else Finding(attacker)

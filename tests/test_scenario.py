@@ -8,7 +8,7 @@ import pytest
 
 from minigrid_engine.errors import MinigridError
 from minigrid_engine.handle import Reply
-from minigrid_engine.scenario import replay_day, run_incident, run_late_transfer
+from minigrid_engine.scenario import _held_at_once, replay_day, run_incident, run_late_transfer
 
 
 class Stated:
@@ -40,3 +40,25 @@ def test_the_incident_on_other_numbers_than_the_engines_is_refused() -> None:
         run_late_transfer(ENGINE, context_length=1024)
     with pytest.raises(MinigridError, match="prefill_pool_tokens=665 \\(the engine has 500\\)"):
         replay_day(ENGINE, context_length=900, prefill_pool_tokens=665, progress=False)
+
+
+def test_victims_that_did_not_hold_their_pages_at_once_are_told_apart() -> None:
+    """On a stalled machine alice's first request may finish before her second is admitted: the
+    second takes the same decode pages back, and bob's reservation would reach unwritten ones."""
+
+    def reply(rid: str) -> Reply:
+        return Reply(200, "", 10, 1, rid, 0.01, 0.02)
+
+    class Traced(Stated):
+        def __init__(self, *reserved: tuple[str, list[int]]) -> None:
+            super().__init__()
+            self.events = [{"kind": "reserve", "request": r, "pages": p} for r, p in reserved]
+
+        def trace(self, since: int = 0, tenant: str = "admin") -> dict[str, list[dict[str, Any]]]:
+            return {"decode": self.events}
+
+    replies = [reply("alice-5"), reply("alice-6")]
+    assert _held_at_once(Traced(("alice-5", [0, 1, 2, 3, 4]), ("alice-6", [5, 6, 7, 8, 9])), replies)
+    assert not _held_at_once(Traced(("alice-5", [0, 1, 2, 3, 4]), ("alice-6", [0, 1, 2, 3, 4])), replies)
+    # another request's pages do not count
+    assert _held_at_once(Traced(("alice-5", [0, 1]), ("bob-1", [0, 1]), ("alice-6", [2, 3])), replies)
