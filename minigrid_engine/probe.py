@@ -404,15 +404,13 @@ class Probe:
 
     def targets(self, context: int | None) -> list[int]:
         if self.cfg.prompt_tokens:
-            over = [
-                n for n in self.cfg.prompt_tokens if context is not None and n + self.cfg.max_tokens > context
-            ]
+            room = None if context is None else context - self.cfg.max_tokens
+            over = [n for n in self.cfg.prompt_tokens if room is not None and n > room]
             if over:  # the server refuses them whatever its pools: they would test nothing
-                assert context is not None
                 raise MinigridError(
                     f"--prompt-tokens {','.join(map(str, sorted(set(over))))} with --max-tokens "
                     f"{self.cfg.max_tokens} exceed the context of {context} tokens, so the server refuses "
-                    f"them before any KV page: give prompts of at most {context - self.cfg.max_tokens} "
+                    f"them before any KV page: give prompts of at most {room} "
                     "tokens, or a smaller --max-tokens"
                 )
             return sorted(set(self.cfg.prompt_tokens))

@@ -11,6 +11,7 @@ bounded number of times (`recovery.py`: the policy, and what `/health` says).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import itertools
@@ -1327,16 +1328,16 @@ class _PoolCollector:
     def __init__(self, router: Router) -> None:
         self.router = router
         self._lock = threading.Lock()
-        self._last: dict[str, tuple[Any, dict[str, float]]] = {}  # worker -> (pid, counters)
-        self._retired: dict[str, float] = {}  # counted by worker processes since replaced
+        self._last: dict[str, tuple[Any, collections.Counter[str]]] = {}  # worker -> (pid, its counters)
+        # counted by worker processes since replaced by new ones
+        self._retired: collections.Counter[str] = collections.Counter()
 
     def _counted(self, worker: str, pid: Any, counters: dict[str, float]) -> None:
         with self._lock:
             before = self._last.get(worker)
             if before is not None and before[0] != pid:
-                for key, value in before[1].items():
-                    self._retired[key] = self._retired.get(key, 0.0) + value
-            self._last[worker] = (pid, dict(counters))
+                self._retired.update(before[1])
+            self._last[worker] = (pid, collections.Counter(counters))
 
     def keep_counts(self) -> None:
         """Read the counters of every worker still alive (a restart is about to stop them)."""
@@ -1346,12 +1347,11 @@ class _PoolCollector:
                     stats = self.router.query(w.worker, "stats", timeout_s=1)
                     self._counted(w.worker, stats.get("pid"), stats.get("counters", {}))
 
-    def _totals(self) -> dict[str, float]:
+    def _totals(self) -> collections.Counter[str]:
         with self._lock:
-            out = dict(self._retired)
+            out = self._retired.copy()
             for _, counters in self._last.values():
-                for key, value in counters.items():
-                    out[key] = out.get(key, 0.0) + value
+                out.update(counters)
             return out
 
     def describe(self) -> list[Any]:

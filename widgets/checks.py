@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from minigrid_engine.errors import counted
+
 SOLUTIONS = Path(__file__).resolve().parents[1] / "labs" / ".solutions" / "solutions.py"
 
 
@@ -293,7 +295,7 @@ def check_checksum(fn: Callable[[list[bytes], list[int]], list[int]]) -> Verdict
             return _verdict(
                 "checksum",
                 False,
-                f"6 pages, {n_sent} checksum{'s' * (n_sent != 1)} sent: pages {changed or 'none'} "
+                f"6 pages, {counted(n_sent, 'checksum')} sent: pages {changed or 'none'} "
                 f"were changed after their checksums were taken{unsent}; you flagged "
                 f"{sorted(got or []) or 'none'}, where {bad or 'none'} must be. Compare "
                 "zlib.adler32(page) with the checksum sent, and a page without one is as bad as a mismatch.",
