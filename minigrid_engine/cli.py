@@ -94,18 +94,14 @@ def workers_per_role(text: str) -> int:
 
 
 def _pool_config(args: argparse.Namespace, default_tokens: int):  # -> PoolConfig
+    from minigrid_engine.config import check_pool_size
     from minigrid_engine.model import ModelConfig
-    from minigrid_engine.pool import MAX_PAGE_SIZE, PoolConfig
+    from minigrid_engine.pool import PoolConfig
 
-    if args.page_size > MAX_PAGE_SIZE:
-        raise MinigridError(f"--page-size {args.page_size}: at most {MAX_PAGE_SIZE} tokens per page")
-    if args.pool_memory is not None:
+    tokens = None if args.pool_memory is not None else args.pool_tokens or default_tokens
+    check_pool_size(tokens, args.page_size, "--pool-tokens", "--page-size")
+    if tokens is None:
         return PoolConfig.from_memory_budget(args.pool_memory, args.page_size, ModelConfig())
-    tokens = args.pool_tokens or default_tokens
-    if tokens < args.page_size:
-        raise MinigridError(
-            f"--pool-tokens {tokens} is smaller than one page of --page-size {args.page_size} tokens"
-        )
     return PoolConfig(tokens, args.page_size)
 
 

@@ -41,6 +41,19 @@ def _whole(name: str, value: object, minimum: int = 1) -> int:
     return value
 
 
+def check_pool_size(tokens: int | None, page_size: int, tokens_name: str, page_name: str) -> None:
+    """The two rules of a KV pool's size, in one place for the pool (`pool.PoolConfig`), the
+    engine's settings and `minigrid pool`, each naming the numbers as its caller spells them
+    (``capacity_tokens``, ``--prefill-pool-tokens``, ``"page_size"``): a page holds 1 to
+    `MAX_PAGE_SIZE` tokens, and a pool holds one page at least (`tokens` None: not sized yet)."""
+    if not 1 <= page_size <= MAX_PAGE_SIZE:
+        raise ConfigError(f"{page_name} {page_size}: between 1 and {MAX_PAGE_SIZE} tokens per page")
+    if tokens is not None and tokens < page_size:
+        raise ConfigError(
+            f"{tokens_name} {tokens} is smaller than one page of {page_name} {page_size} tokens"
+        )
+
+
 # How the command line spells a setting, where `--` + its name with dashes does not say it.
 _FLAGS = {"release_timeout_s": "--release-timeout", "worker_restart_window_s": "--worker-restart-window"}
 _NO_FLAG = ("worker_threads", "trace_maxlen", "weights")  # set in code or a config file only
@@ -145,10 +158,6 @@ class ServeConfig:
             raise ConfigError(f"{spell('port')} {self.port} is not a TCP port (0-65535)")
         _whole(spell("context_length"), self.context_length)
         _whole(spell("page_size"), self.page_size)
-        if self.page_size > MAX_PAGE_SIZE:
-            raise ConfigError(
-                f"{spell('page_size')} {self.page_size}: at most {MAX_PAGE_SIZE} tokens per page"
-            )
         _whole(spell("worker_threads"), self.worker_threads)
         _whole(spell("trace_maxlen"), self.trace_maxlen)
         if self.weights is not None and not isinstance(self.weights, str):
@@ -162,12 +171,9 @@ class ServeConfig:
         _whole(spell("decode_pool_tokens"), self.decode_pool_tokens)
         _whole(spell("max_batch"), self.max_batch)
         for role in ROLES:
-            tokens = self.pool_tokens(role)
-            if tokens < self.page_size:
-                raise ConfigError(
-                    f"{spell(f'{role}_pool_tokens')} {tokens} is smaller than one page of "
-                    f"{self.page_size} tokens"
-                )
+            check_pool_size(
+                self.pool_tokens(role), self.page_size, spell(f"{role}_pool_tokens"), spell("page_size")
+            )
         for role, n in (("prefill", self.prefill_workers), ("decode", self.decode_workers)):
             _whole(spell(f"{role}_workers"), n)
             if n > MAX_WORKERS_PER_ROLE:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minigrid_engine.config import MAX_PAGE_SIZE
+from minigrid_engine.config import check_pool_size
 from minigrid_engine.errors import ConfigError, PoolError, PoolExhausted, counted
 from minigrid_engine.model import ModelConfig
 from minigrid_engine.trace import RELEASE, RESERVE, Trace
@@ -41,12 +41,7 @@ class PoolConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{name} must be a whole number, got {value!r}")
-        if not 1 <= self.page_size <= MAX_PAGE_SIZE:
-            raise ConfigError(f"page size {self.page_size} must be between 1 and {MAX_PAGE_SIZE}")
-        if self.capacity_tokens < self.page_size:
-            raise ConfigError(
-                f"a pool of {self.capacity_tokens} tokens is smaller than one page of {self.page_size} tokens"
-            )
+        check_pool_size(self.capacity_tokens, self.page_size, "capacity_tokens", "page_size")
 
     @property
     def n_pages(self) -> int:

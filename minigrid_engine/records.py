@@ -8,10 +8,13 @@ reading the owner's KV pages.
 from __future__ import annotations
 
 import random
+import re
 import string
 
 FIELDS = ("card", "iban", "pin", "key", "token", "phone", "pass", "acct", "vault", "badge")
 CODE_ALPHABET = string.ascii_uppercase + string.digits
+RECORD = re.compile(r"([A-Z]+) ([a-z]+) ([A-Z0-9]{6,10});")
+CUT_RECORD = re.compile(r"[A-Z]+ [a-z]+ ([A-Z0-9]+)$")  # a last record whose code the end cut
 
 
 def random_code(rng: random.Random, length: int = 8) -> str:
@@ -92,7 +95,8 @@ def shaped_prompt(
     found: list[str] = []
     if shape == "records":
         text = record_prompt(tenant, n_tokens, rng, rng.randint(4, 10))
-        found = [r.split()[-1].rstrip(";") for r in text.split("; ") if len(r.split()) == 3]
+        found = [code for _, _, code in RECORD.findall(text)]
+        found += CUT_RECORD.findall(text)
     else:
         text = ""
         while len(text) < n_tokens:

@@ -22,10 +22,7 @@ from minigrid_engine.canary import CanaryHarness, Finding, TTFTFloor
 from minigrid_engine.errors import MinigridError
 from minigrid_engine.forensics import AffectedResponse, affected_responses, pages_read
 from minigrid_engine.handle import Reply
-from minigrid_engine.records import record_prompt
-
-RECORD = re.compile(r"([A-Z]+) ([a-z]+) ([A-Z0-9]{6,10});")
-
+from minigrid_engine.records import RECORD, record_prompt
 
 CODE = re.compile(r"\b([A-Z0-9]{6,10});")
 TIMING_PROMPT = "a short prompt, timed."  # 22 tokens, shorter than any victim prompt (32 or more)

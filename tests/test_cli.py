@@ -71,7 +71,7 @@ from minigrid_engine.cli import build_parser
             "argument --concurrency: 0 must be at least 1",
         ),
         (["faults", "--only", ""], "--only '' names no case"),
-        (["pool", "--page-size", "99999"], "--page-size 99999: at most 4096 tokens per page"),
+        (["pool", "--page-size", "99999"], "--page-size 99999: between 1 and 4096 tokens per page"),
         (["pool", "--pool-tokens", "100"], "--pool-tokens 100 is smaller than one page of --page-size 128"),
         (["generate", "--prompt", "x", "--temperature", "-1"], "--temperature -1.0: 'temperature' must be"),
         (["faults", "--only", "drop-done", "--out", "/"], "--out /: is a folder; give a file name"),
@@ -82,7 +82,7 @@ from minigrid_engine.cli import build_parser
         (["fuzz", "--tenants", "1"], "--tenants 1: a campaign needs from 2 to 1,000"),
         (
             ["serve", "--fixes", "none", "--page-size", "5000", "--prefill-pool-tokens", "5000"],
-            "--page-size 5000: at most 4096 tokens per page",
+            "--page-size 5000: between 1 and 4096 tokens per page",
         ),
         (["serve", "--config", "/nonexistent/cfg.json"], "--config /nonexistent/cfg.json: No such file"),
         (["serve", "--config", "cfg.json", "--preset", "corrected"], "and --preset corrected: choose one"),

@@ -262,7 +262,10 @@ def test_a_killed_notebook_kernel_leaves_no_engine() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--prefill-pool-tokens", "10"], "--prefill-pool-tokens 10 is smaller than one page of 128 tokens"),
+        (
+            ["--prefill-pool-tokens", "10"],
+            "--prefill-pool-tokens 10 is smaller than one page of --page-size 128 tokens",
+        ),
         (["--fixes", "bogus"], "unknown fix 'bogus': choose none, all, or"),
         (["--tenants", "alice"], "tenant 'alice' must be NAME:KEY"),
         (["--port", "70000"], "--port 70000 is not a TCP port"),

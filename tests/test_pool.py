@@ -98,8 +98,8 @@ def test_grow_adds_pages_only_when_needed() -> None:
 @pytest.mark.parametrize(
     ("tokens", "page", "message"),
     [
-        (100, 128, "smaller than one page of 128 tokens"),
-        (1024, 0, "page size 0 must be between"),
+        (100, 128, "capacity_tokens 100 is smaller than one page of page_size 128 tokens"),
+        (1024, 0, "page_size 0: between 1 and 4096 tokens per page"),
         ("1024", 128, "capacity_tokens must be a whole number, got '1024'"),
     ],
 )

@@ -92,3 +92,14 @@ def test_shaped_prompts_are_exact_and_tenant_specific() -> None:
         assert "poem" in str(e) and "letter" in str(e)
     else:
         raise AssertionError("an unknown shape was accepted")
+
+
+def test_a_records_prompt_names_its_codes_and_the_one_its_end_cuts() -> None:
+    for seed in range(200):
+        secrets: list[str] = []
+        text = shaped_prompt(
+            "alice", "records", random.Random(seed).randint(20, 300), random.Random(seed), secrets
+        )
+        pieces = [p.split() for p in text.split("; ")]  # NAME field CODE, the last maybe cut short
+        assert secrets == [p[2].rstrip(";") for p in pieces if len(p) == 3], text
+        assert secrets and all(s in text for s in secrets)
