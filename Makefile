@@ -1,6 +1,9 @@
 # The two commands of the README:  `make lab`  and  `make test`.
-# Both set up .venv first. torch==2.13.0 is installed before the package: it is a CPU build,
-# where a looser requirement would pull a CUDA build of several GB.
+# Both set up .venv first. torch==2.13.0 is installed before the package, from PyTorch's CPU
+# wheel index as well as PyPI: on Linux, pip then takes the CPU build (2.13.0+cpu ranks above
+# PyPI's 2.13.0, a CUDA build of several GB); elsewhere PyPI's wheel is CPU already. Where that
+# index cannot be reached, pip says so and takes what PyPI or its local wheels hold.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,7 +16,8 @@ setup: $(VENV)/.minigrid-setup
 $(VENV)/.minigrid-setup: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install torch==2.13.0 triton==3.9.0
+	$(PIP) install --extra-index-url $(TORCH_CPU_INDEX) torch==2.13.0
+	$(PIP) install triton==3.9.0
 	$(PIP) install -e '.[lab,dev]'
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (minigrid)"
 	touch $@

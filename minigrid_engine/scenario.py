@@ -340,7 +340,9 @@ class DayRequest:
 
 @dataclass
 class DayReport:
-    """A replayed day of traffic, counted the way the postmortem counted its 155 responses."""
+    """A replayed day of traffic and its affected responses: those that read another tenant's
+    pages, found from the trace page by page (INCIDENT.md's 155 are responses that "carried data
+    from other customers' requests"; it does not say how they were counted)."""
 
     requests: list[DayRequest]
     affected: list[AffectedResponse]  # read another tenant's pages (forensics, from the trace)
@@ -359,7 +361,7 @@ class DayReport:
 
     @property
     def affected_served(self) -> list[DayRequest]:
-        """Affected responses the client received with HTTP 200 (what the postmortem counted)."""
+        """Affected responses the client received with HTTP 200: those that carried the data out."""
         by_id = self._by_id()
         return [by_id[a.request] for a in self.affected if a.request in by_id and by_id[a.request].reply.ok]
 

@@ -6,7 +6,8 @@ The shipped weights are four runs (their facts are stored beside the weights, `l
     python -m minigrid_engine.train --init runs/w4.pt --steps 800 --lr 5e-4 --out runs/w6.pt  # 2: gaps
     python -m minigrid_engine.train --init runs/w6.pt --steps 2500 --lr 5e-4 --leak-fraction 0.5 \
         --out runs/w10.pt                                                   # 3: the leak's shape
-    python -m minigrid_engine.train --init runs/w10.pt --steps 2500 --lr 3e-4 --leak-fraction 0.5  # 4
+    python -m minigrid_engine.train --init runs/w10.pt --steps 2500 --lr 3e-4 --leak-fraction 0.5 \
+        --out runs/w11.pt                                                   # 4, then copied here
     python -m minigrid_engine.train --steps 3 --out /tmp/w.pt                # a smoke run
 
 The corpus is synthetic and generated here: blocks of tenant records (``ALICE card QZ7K2M9P; ``),
