@@ -3,12 +3,15 @@
     python bench/decode.py                     # batch 1, 8, 32; writes bench/results/decode-cpu.json
     python bench/decode.py --batches 1 --steps 8 --prompt-len 64 --out /tmp/d.json   # smoke
     python bench/decode.py --attention triton   # the paged path through the Triton kernels
+    python bench/decode.py --attention triton --against torch --batches 1 8 --steps 8 --prompt-len 256 \
+        --out bench/results/decode-triton-cpu.json   # Triton's interpreter against the torch path
 
 Both paths run the same model on the same prompts (ragged lengths) and greedy tokens. The paged
 path is the engine's: `ModelRunner.decode` gathering K/V through block tables, writing trace
 events. The baseline keeps each request's K/V in one contiguous tensor and calls torch SDPA over
-it. The two decode the same batch one step each in turn, so that noise on a shared machine hits
-both alike; the ratio (the median over rounds of paged time / contiguous time) is what to read.
+it (with ``--against torch``: the paged path again, through torch instead of the kernels). The two
+decode the same batch one step each in turn, so that noise on a shared machine hits both alike;
+the ratio (the median over rounds of paged time / baseline time) is what to read.
 """
 
 from __future__ import annotations
@@ -134,21 +137,35 @@ def run_paged(
 
 
 def run_side_by_side(
-    model: Transformer, prompts: list[list[int]], steps: int, page: int, attention: str = "torch"
-) -> tuple[float, float, bool]:
+    model: Transformer,
+    prompts: list[list[int]],
+    steps: int,
+    page: int,
+    attention: str = "torch",
+    against: str = "contiguous",
+) -> tuple[float, float, bool, list[float]]:
     """Both paths decode the same batch, one step of each in turn (the order swapping every step),
-    so that a burst of load on a shared machine lands on both alike.
-    Returns (paged seconds, contiguous seconds, identical tokens)."""
+    so that a burst of load on a shared machine lands on both alike. The baseline (`against`):
+    contiguous K/V, or the paged path through torch.
+    Returns (paged seconds, baseline seconds, identical tokens, each step's paged / baseline time)."""
     paged = PagedDecode(model, prompts, steps, page, attention)
-    contig = ContiguousDecode(model, prompts, steps)
-    spent = {"paged": 0.0, "contig": 0.0}
+    base: PagedDecode | ContiguousDecode = (
+        ContiguousDecode(model, prompts, steps)
+        if against == "contiguous"
+        else PagedDecode(model, prompts, steps, page, "torch")
+    )
+    spent = {"paged": 0.0, "base": 0.0}
+    ratios = []
     for s in range(steps):
-        order = [("paged", paged), ("contig", contig)]
+        took = {}
+        order: list[tuple[str, PagedDecode | ContiguousDecode]] = [("paged", paged), ("base", base)]
         for name, run in order if s % 2 == 0 else order[::-1]:
             t0 = time.perf_counter()
             run.step()
-            spent[name] += time.perf_counter() - t0
-    return spent["paged"], spent["contig"], paged.outs == contig.outs
+            took[name] = time.perf_counter() - t0
+            spent[name] += took[name]
+        ratios.append(took["paged"] / took["base"])
+    return spent["paged"], spent["base"], paged.outs == base.outs, ratios
 
 
 def peak_rss_mib() -> float:
@@ -164,23 +181,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--attention", choices=["torch", "triton"], default="torch", help="paged path kernels")
+    p.add_argument(
+        "--against",
+        choices=["contiguous", "torch"],
+        default="contiguous",
+        help="the baseline: contiguous K/V and SDPA, or the paged path through torch (for triton)",
+    )
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "decode-cpu.json")
     a = p.parse_args(argv)
+    if a.against == "torch" and a.attention == "torch":
+        p.error("--against torch compares --attention triton with the torch path: add --attention triton")
+    base = "contiguous" if a.against == "contiguous" else "torch_paged"
     torch.manual_seed(0)
     model = load_model()
     rng = random.Random(0)
     rows = []
-    print(f"{'batch':>5} {'paged tok/s':>12} {'contig tok/s':>13} {'paged/contig time':>18}  same tokens")
+    head = "contig" if a.against == "contiguous" else "torch"
+    print(
+        f"{'batch':>5} {a.attention + ' tok/s':>12} {head + ' tok/s':>13} {'time ratio':>11} "
+        f"{'by step':>8}  same tokens"
+    )
     for b in a.batches:
         lens = [max(8, int(a.prompt_len * rng.uniform(0.75, 1.25))) for _ in range(b)]
         prompts = [list(record_prompt(f"t{i}", n, rng, 6).encode()) for i, n in enumerate(lens)]
-        paged_t, contig_t = [], []
+        paged_t, contig_t, step_ratios = [], [], []
         same = True
         for _ in range(a.rounds):
-            tp, tc, same_tokens = run_side_by_side(model, prompts, a.steps, a.page_size, a.attention)
+            tp, tc, same_tokens, ratios = run_side_by_side(
+                model, prompts, a.steps, a.page_size, a.attention, a.against
+            )
             paged_t.append(tp)
             contig_t.append(tc)
             same &= same_tokens
+            step_ratios += ratios
         tp, tc = min(paged_t), min(contig_t)
         ratio = statistics.median(p / c for p, c in zip(paged_t, contig_t))
         row = {
@@ -188,17 +221,22 @@ def main(argv: list[str] | None = None) -> int:
             "decode_steps": a.steps,
             "prompt_tokens": lens,
             "paged_tokens_per_s": round(b * a.steps / tp, 1),
-            "contiguous_tokens_per_s": round(b * a.steps / tc, 1),
-            "paged_over_contiguous_time": round(ratio, 3),
+            f"{base}_tokens_per_s": round(b * a.steps / tc, 1),
+            f"paged_over_{base}_time": round(ratio, 3),
+            # the same, step by step: a stall of the machine spoils one step, not a whole round
+            f"paged_over_{base}_step_median": round(statistics.median(step_ratios), 3),
             "identical_tokens": same,
         }
         rows.append(row)
         print(
-            f"{b:>5} {row['paged_tokens_per_s']:>12} {row['contiguous_tokens_per_s']:>13} "
-            f"{row['paged_over_contiguous_time']:>17}x  {same}"
+            f"{b:>5} {row['paged_tokens_per_s']:>12} {row[f'{base}_tokens_per_s']:>13} "
+            f"{row[f'paged_over_{base}_time']:>10}x {row[f'paged_over_{base}_step_median']:>7}x  {same}"
         )
     result = {
-        "benchmark": "decode: paged KV cache vs contiguous KV (torch SDPA), same model and batch",
+        "benchmark": f"decode: paged KV cache ({a.attention}) vs "
+        + ("contiguous KV (torch SDPA)" if a.against == "contiguous" else "the paged path through torch")
+        + ", same model and batch",
+        "against": a.against,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "torch_threads": torch.get_num_threads(),
         "page_size": a.page_size,

@@ -42,6 +42,14 @@ def test_decode_bench(tmp_path: Path) -> None:
     assert r["peak_rss_mib"] > 0
 
 
+def test_decode_bench_triton_against_the_torch_path(tmp_path: Path) -> None:
+    args = ["--batches", "2", "--steps", "2", "--prompt-len", "40", "--rounds", "1", "--page-size", "16"]
+    r = run("decode.py", tmp_path / "t.json", "--attention", "triton", "--against", "torch", *args)
+    (row,) = r["rows"]
+    assert r["against"] == "torch" and row["identical_tokens"]  # the kernels' greedy tokens are torch's
+    assert row["paged_over_torch_paged_time"] > 0 and "contiguous_tokens_per_s" not in row
+
+
 def test_serve_bench(tmp_path: Path) -> None:
     r = run(
         "serve.py",
