@@ -37,7 +37,8 @@ def main(argv: list[str]) -> int:
     print(rep.summary())
     with tempfile.TemporaryDirectory() as tmp:
         html = Path(tmp) / "pools.html"
-        fig.write_html(html, include_plotlyjs=True, full_html=True, config={"displayModeBar": False})
+        page = fig.to_html(include_plotlyjs=True, full_html=True, config={"displayModeBar": False})
+        html.write_text(page.replace("<body>", '<body style="margin:0;overflow:hidden">', 1))  # no scrollbar
         out.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(
             [
