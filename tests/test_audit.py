@@ -66,6 +66,18 @@ def test_the_incidents_deployment_fails_on_its_prefill_pool(serve: Any) -> None:
     assert by_role["decode"]["covers"] is True
 
 
+@pytest.mark.parametrize(("capacity", "code"), [(1_048_576, 0), (1_048_575, 1), (1_048_577, 0)])
+def test_a_pool_exactly_the_context_passes_and_one_token_short_fails(
+    serve: Any, capacity: int, code: int
+) -> None:
+    prefill = serve({"/metrics": sglang_metrics("prefill", [capacity], 1_048_576)})
+    decode = serve({"/metrics": sglang_metrics("decode", [2_100_000], 1_048_576)})
+    proc = minigrid("audit", "--url", prefill.url, "--url", decode.url, timeout=60)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    if code:
+        assert "TOO SMALL by 1 token" in proc.stdout, proc.stdout
+
+
 def test_a_pool_is_its_smallest_rank(serve: Any) -> None:
     one_rank_short = serve({"/metrics": sglang_metrics("unified", [40_000, 30_000], 32_768)})
     report = audit(one_rank_short.url)

@@ -44,6 +44,9 @@ def test_a_long_run_of_another_tenants_text_is_a_leak_without_canaries() -> None
     f = h.check("bob", "xx approve the merger with globex corp yy")
     assert f.longest_foreign_run >= 24 and f.leak and f.longest_foreign_run_owner == "alice"
     assert not h.check("bob", "the cat sat on the mat").leak
+    # the threshold itself: a run of exactly 24 characters is a leak, 23 is not
+    assert h.check("bob", "<" + "approve the merger with globex corp"[:24] + ">").leak
+    assert not h.check("bob", "<" + "approve the merger with globex corp"[:23] + ">").leak
     h.register("bob", "note: the board meets on friday to approve the merger with initech")
     assert not h.check("bob", "xx the board meets on friday to approve the merger with yy").leak  # his own
     assert longest_shared_run("abcdef", "zzcdezz") == 3
@@ -90,6 +93,8 @@ def test_ttft_floor_with_a_fixed_cost_flags_a_stub_a_rate_alone_would_miss() -> 
     assert floor.too_fast(700, 0.044)  # the stub
     assert not floor.too_fast(700, 0.071)  # a real prefill of it
     assert not floor.too_fast(30, 0.040)  # a short prompt a little faster than seen: no false alarm
+    floor.observe(30, 0.0431)  # a prompt barely longer than the shortest says nothing of the rate
+    assert floor.model() == (fixed, per_token) and floor.too_fast(700, 0.044)
     only_rate = TTFTFloor()
     only_rate.observe(574, 0.066)
     assert not only_rate.too_fast(700, 0.044)  # what the rate alone said

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 
 from widgets import checks
@@ -67,6 +69,11 @@ def test_prediction_and_checksum_and_owner_check() -> None:
     assert not v.ok and "reject-before-transfer" in v.message
     assert checks.check_checksum(solution("checksum")).ok
     assert not checks.check_checksum(lambda pages, sums: []).ok
+    # the incident's own blind spot: zip() pairs pages with the checksums sent and drops the rest
+    zipped = checks.check_checksum(
+        lambda pages, sums: [i for i, (p, s) in enumerate(zip(pages, sums)) if zlib.adler32(p) != s]
+    )
+    assert not zipped.ok and "no checksum" in zipped.message
     assert checks.check_owner_check(solution("owner_check")).ok
     v = checks.check_owner_check(lambda table, w, r: [p for p in table if w.get(p) not in (None, r)])
     assert not v.ok and "dan-1" in v.message  # a never-written page is not the reader's either

@@ -175,11 +175,20 @@ def test_all_but_capacity_on_the_incident_numbers_rejects_bob() -> None:
         ("owner-check,scrub", "unknown fix 'scrub'"),
         (",", "give none, all, or names from"),
         ("none,owner-check", "'none' and 'all' stand alone"),
+        ("owner-check,,kv-checksum", "item 2 is empty"),
     ],
 )
 def test_bad_fix_names(text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_fixes(text)
+
+
+def test_all_is_every_fix_and_each_name_is_its_own_switch() -> None:
+    assert parse_fixes("all").names() == list(FIXES)  # `--fixes all`, the corrected preset's default
+    assert parse_fixes("none").names() == []
+    for name in FIXES:
+        assert parse_fixes(name).names() == [name]
+    assert parse_fixes("kv-checksum,owner-check").names() == ["kv-checksum", "owner-check"]
 
 
 @pytest.mark.parametrize("page", [128, 64])

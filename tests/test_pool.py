@@ -95,6 +95,70 @@ def test_grow_adds_pages_only_when_needed() -> None:
     pool.check_integrity()
 
 
+def test_grow_takes_the_last_page_and_the_last_token_and_no_more() -> None:
+    pool = make_pool(665, 128)  # 6 pages, 665 tokens
+    pool.reserve("a", "alice", 10)
+    pool.grow("a", 665)
+    assert pool.free_pages == 0 and pool.tokens_reserved == 665
+    with pytest.raises(PoolExhausted, match="1 tokens"):
+        pool.grow("a", 666)
+    pool.check_integrity()
+
+
+def _held_twice(pool: KVPool) -> None:
+    pool._held["b"].pages.append(pool._held["a"].pages[0])
+
+
+def _free_and_held(pool: KVPool) -> None:
+    pool._free.append(pool._held["a"].pages[0])
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda pool: pool._free.append(pool._free[-1]), "a page appears twice in the free list"),
+        (_held_twice, r"held by a and b"),
+        (_free_and_held, r"is free and held by a"),
+        (lambda pool: setattr(pool.pages[pool._held["a"].pages[1]], "owner", "b"), "owner table says b"),
+        (lambda pool: pool._free.pop(), r"4 free \+ 3 owned != 8 pages"),
+        (lambda pool: setattr(pool.pages[pool._free[0]], "owner", "ghost"), "free page .* names owner ghost"),
+        (lambda pool: setattr(pool, "_tokens_reserved", 300), "token count 300 disagrees"),
+    ],
+)
+def test_integrity_check_names_each_broken_invariant(corrupt, message: str) -> None:  # type: ignore[no-untyped-def]
+    """`check_integrity` is what every pool test, the fuzz campaign and the fault campaign lean on:
+    each way the bookkeeping can break must make it fail, naming what broke."""
+    pool = make_pool(1024, 128)
+    pool.reserve("a", "alice", 200)
+    pool.reserve("b", "bob", 10)
+    pool.check_integrity()
+    corrupt(pool)
+    with pytest.raises(PoolError, match=message):
+        pool.check_integrity()
+
+
+def test_release_refuses_when_the_owner_table_disagrees() -> None:
+    pool = make_pool(1024, 128)
+    a = pool.reserve("a", "alice", 200)
+    pool.reserve("b", "bob", 10)
+    pool.pages[a.pages[0]].owner = "b"
+    with pytest.raises(PoolError, match=f"page {a.pages[0]} is owned by b, not a"):
+        pool.release("a")
+
+
+@pytest.mark.parametrize(("end", "written"), [(300, 3), (256, 2), (257, 3), (1, 1)])
+def test_a_prefill_span_names_its_writer_on_every_page_it_touched(end: int, written: int) -> None:
+    pool = make_pool(1024, 128)
+    old = pool.reserve("old", "carol", 128 * 3)
+    pool.note_write("old", "carol", old.pages)
+    pool.release("old")
+    new = pool.reserve("a", "alice", 128 * 3)
+    assert new.pages == old.pages
+    pool.note_span("a", "alice", new.pages, 0, end)
+    writers = [pool.pages[p].last_writer for p in new.pages]
+    assert writers == ["a"] * written + ["old"] * (3 - written)
+
+
 @pytest.mark.parametrize(
     ("tokens", "page", "message"),
     [
@@ -122,7 +186,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = make_pool(16 * 8, 8)
+        self.pool = make_pool(16 * 8 - 5, 8)  # 16 pages, a budget 5 tokens short of them: both limits bind
         self.live: dict[str, int] = {}
         self.n = 0
 
@@ -130,7 +194,9 @@ class PoolMachine(RuleBasedStateMachine):
     def reserve(self, tokens: int) -> None:
         name = f"r{self.n}"
         self.n += 1
-        if self.pool.can_reserve(tokens):
+        fits = -(-tokens // 8) <= self.pool.free_pages and sum(self.live.values()) + tokens <= 16 * 8 - 5
+        assert self.pool.can_reserve(tokens) == fits
+        if fits:
             res = self.pool.reserve(name, "t", tokens)
             assert len(res.pages) == -(-tokens // 8)
             self.live[name] = tokens
@@ -142,11 +208,15 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), extra=st.integers(1, 32))
     def grow(self, data: st.DataObject, extra: int) -> None:
         name = data.draw(st.sampled_from(sorted(self.live)))
-        try:
-            self.pool.grow(name, self.live[name] + extra)
-            self.live[name] += extra
-        except PoolExhausted:
-            pass
+        want = self.live[name] + extra
+        new_pages = -(-want // 8) - len(self.pool.reservation(name).pages)
+        if new_pages <= self.pool.free_pages and sum(self.live.values()) + extra <= 16 * 8 - 5:
+            self.pool.grow(name, want)  # fits, to the last page and the last token
+            self.live[name] = want
+            assert len(self.pool.reservation(name).pages) == -(-want // 8)
+        else:
+            with pytest.raises(PoolExhausted):
+                self.pool.grow(name, want)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -186,3 +256,28 @@ def test_writer_tags_are_per_slot_a_stub_leaves_the_rest_of_its_page_stale() -> 
     assert pool.slot_writers(bob.pages[1]) == {("b", "bob"): 128}
     pool.scrub([bob.pages[0]])
     assert pool.slot_writers(bob.pages[0]) == {(None, None): 128}
+
+
+def test_a_page_checksum_covers_k_and_v_of_every_layer_and_only_its_page() -> None:
+    """`kv-checksum` compares these: a change to one value of one page, in K or V, in any layer or
+    slot, must change that page's checksum and no other page's."""
+    from minigrid_engine.transfer import page_checksums
+
+    pool = make_pool(512, 16)
+    pool.k.copy_(torch.randn_like(pool.k))
+    pool.v.copy_(torch.randn_like(pool.v))
+    pages = [3, 0, 7]
+    before = page_checksums(pool, pages)
+    assert len(set(before)) == 3
+    for tensor in (pool.k, pool.v):
+        for layer in range(MODEL.n_layers):
+            for i, page in enumerate(pages):
+                slot = (layer * 5 + i) % pool.page_size
+                kept = tensor[layer, page, slot, -1, -1].item()
+                tensor[layer, page, slot, -1, -1] = kept + 1.0
+                after = page_checksums(pool, pages)
+                assert after[i] != before[i] and [a for j, a in enumerate(after) if j != i] == [
+                    b for j, b in enumerate(before) if j != i
+                ], (layer, page, slot)
+                tensor[layer, page, slot, -1, -1] = kept
+                assert page_checksums(pool, pages) == before
