@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
+
+import torch
 
 from minigrid_engine.config import ServeConfig
 from minigrid_engine.decode import DecodeScheduler
@@ -19,6 +22,7 @@ from minigrid_engine.messages import (
     GenerateRequest,
     KVBootstrap,
     Result,
+    TransferBegin,
     TransferDone,
 )
 from minigrid_engine.model import Transformer, load_model
@@ -62,6 +66,10 @@ class InProcessCluster:
         )
         self.transport = LoopbackTransport()
         self._rooms = itertools.count(1)
+        # What the wire does to page data on its way to decode (tests: a page lost, pages named
+        # wrong): given the begin message and the data, it returns what arrives, or None (nothing).
+        self.on_the_wire: Callable[[TransferBegin, torch.Tensor], tuple[TransferBegin, torch.Tensor] | None]
+        self.on_the_wire = lambda begin, data: (begin, data)
 
     def _to_router(self, msg: object) -> None:
         if isinstance(msg, Result):
@@ -111,7 +119,9 @@ class InProcessCluster:
             assert job.begin is not None and job.done is not None
             data = page_data(self.prefill_pool, job.src_pages)
             self.transport.send(data)
-            self.decode.on_transfer_begin(job.begin, self.transport.recv(data))
+            arrived = self.on_the_wire(job.begin, self.transport.recv(data))
+            if arrived is not None:
+                self.decode.on_transfer_begin(*arrived)
             self.prefill.on_transfer_sent(job.room)
             self._done(job.done)
             moved = True

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
+import torch
 
 from minigrid_engine.config import corrected_preset, incident_preset
 from minigrid_engine.engine import Engine
+from minigrid_engine.fixes import parse_fixes
 from minigrid_engine.handle import pages_read
 from minigrid_engine.inprocess import InProcessCluster
+from minigrid_engine.messages import TransferBegin
 from minigrid_engine.model import load_model
 from minigrid_engine.pool import PoolConfig
 from minigrid_engine.records import record_prompt
@@ -87,3 +91,78 @@ def test_a_seed_samples_the_same_text_in_both_engines_and_every_bit_of_it_counts
         assert disaggregated(seed) == disaggregated(seed) == one_process(seed)
     # torch keeps only a seed's low 32 bits: seeds that differ above them must still differ
     assert len({tuple(disaggregated(s)) for s in (5, 5 + 2**32, 5 + 2**33, 5 - 2**32)}) == 4
+
+
+# -- coverage-check and deferred-release on what the wire delivers (InProcessCluster.on_the_wire) --
+
+
+def cut_last_page(begin: TransferBegin, data: torch.Tensor) -> tuple[TransferBegin, torch.Tensor]:
+    return replace(begin, dst_pages=begin.dst_pages[:-1]), data[:, :, :-1]
+
+
+@pytest.mark.parametrize("fixes", ["none", "coverage-check"])
+def test_a_page_lost_on_the_wire_is_caught_by_coverage_check(model, fixes: str) -> None:
+    c = InProcessCluster(corrected_preset(fixes=fixes), model)
+    c.on_the_wire = cut_last_page
+    r = c.complete("alice", record_prompt("alice", 600, random.Random(1), 8), 8)  # 5 pages of 128
+    if fixes == "none":  # the faulty engine commits: its last prompt page was never written
+        assert r.status == 200
+    else:
+        assert r.status == 502 and r.code == "kv_coverage_mismatch"
+        assert "page data for only 4 of 5 prompt pages had arrived" in (r.error or "")
+    for pool in (c.prefill_pool, c.decode_pool):
+        pool.check_integrity()
+        assert pool.pages_in_use == 0
+
+
+@pytest.mark.parametrize("fixes", ["none", "coverage-check"])
+def test_page_data_named_for_pages_the_room_does_not_hold_is_written_nowhere(model, fixes: str) -> None:
+    c = InProcessCluster(corrected_preset(fixes=fixes), model)
+    victim = c.decode_pool.n_pages - 1  # a page no request holds in this run
+    before = c.decode_pool.k[:, victim].clone()
+
+    def redirect(begin: TransferBegin, data: torch.Tensor) -> tuple[TransferBegin, torch.Tensor]:
+        assert victim not in begin.dst_pages
+        return replace(begin, dst_pages=[victim, *begin.dst_pages[1:]]), data
+
+    c.on_the_wire = redirect
+    r = c.complete("alice", record_prompt("alice", 300, random.Random(2), 8), 8)
+    written = not torch.equal(c.decode_pool.k[:, victim], before)
+    if fixes == "none":
+        assert written  # the faulty engine writes wherever the message says
+    else:
+        assert r.status == 502 and r.code == "kv_transfer_bad_pages", r
+        assert not written
+        (dropped,) = c.decode_pool.trace.events(kind="dropped")
+        assert dropped.pages[0] == victim
+    for pool in (c.prefill_pool, c.decode_pool):
+        pool.check_integrity()
+        assert pool.pages_in_use == 0
+
+
+def test_decode_checking_coverage_refuses_a_prefill_that_states_no_kv_length(model) -> None:
+    """Two hosts at different versions, or a switch half done: decode has `coverage-check`,
+    prefill does not, so its done message says nothing of how much KV it wrote."""
+    c = InProcessCluster(corrected_preset(fixes="coverage-check"), model)
+    c.prefill.fixes = parse_fixes("none")
+    r = c.complete("alice", record_prompt("alice", 300, random.Random(3), 8), 8)
+    assert r.status != 200 and r.code == "kv_coverage_mismatch"
+    assert "prefill states no KV length (its coverage-check is off), decode preallocated 300" in (
+        r.error or ""
+    )
+
+
+@pytest.mark.parametrize("fixes", ["none", "deferred-release"])
+def test_late_page_data_for_a_room_that_holds_no_pages(model, fixes: str) -> None:
+    c = InProcessCluster(corrected_preset(fixes=fixes), model)
+    pool = c.decode_pool
+    shape = (2, pool.k.shape[0], 1, *pool.k.shape[2:])
+    before = pool.k[:, 0].clone()
+    c.decode.on_transfer_begin(TransferBegin(999, [0]), torch.ones(shape))  # room 999: long gone
+    writes = [e for e in pool.trace.events(kind="write") if list(e.pages) == [0]]
+    if fixes == "none":
+        assert writes and not torch.equal(pool.k[:, 0], before)
+    else:
+        assert not writes and torch.equal(pool.k[:, 0], before)
+        (dropped,) = pool.trace.events(kind="dropped")
+        assert list(dropped.pages) == [0]
