@@ -166,3 +166,19 @@ def test_late_page_data_for_a_room_that_holds_no_pages(model, fixes: str) -> Non
         assert not writes and torch.equal(pool.k[:, 0], before)
         (dropped,) = pool.trace.events(kind="dropped")
         assert list(dropped.pages) == [0]
+
+
+@pytest.mark.parametrize(("length", "stubbed"), [(665, False), (666, True)])
+def test_a_prompt_exactly_the_prefill_pool_is_prefilled_one_token_more_is_stubbed(
+    model, length: int, stubbed: bool
+) -> None:
+    c = InProcessCluster(incident_preset(), model)
+    rng = random.Random(5)
+    for _ in range(2):  # pages for the stub to find
+        c.submit("alice", record_prompt("alice", 574, rng, 8), 8)
+    c.run()
+    r = c.complete("bob", record_prompt("bob", length, rng, 8), 8)
+    assert r.status == 200 and r.prompt_tokens == length
+    events = [e.to_dict() for e in c.decode_pool.trace.events()]
+    writers = [p["last_writer_tenant"] for p in pages_read(events, r.request_id)]
+    assert len(writers) == 6 and ("alice" in writers) == stubbed, writers  # stubbed: stale pages read
