@@ -71,8 +71,13 @@ def test_reject_before_transfer(n: Numbers) -> None:
 
 def test_reject_before_transfer_reserves_no_decode_page() -> None:
     with Engine.start(incident_preset(), fixes="reject-before-transfer") as eng:
+        before = eng.metrics()
         r = eng.complete("bob", "BOB pin 123456; " * 62, max_tokens=16)
         assert r.status == 400
+        after = eng.metrics()
+        for outcome, more in (("rejected", 1), ("aborted", 0), ("ok", 0), ("error", 0)):
+            key = f'minigrid_requests_total{{outcome="{outcome}"}}'
+            assert after.get(key, 0) - before.get(key, 0) == more, (outcome, after)
         trace = eng.trace()
         assert not [e for e in trace["decode"] if e["kind"] == "reserve" and e["tenant"] == "bob"]
         assert not [e for e in trace["prefill"] if e["kind"] == "reserve" and e["tenant"] == "bob"]

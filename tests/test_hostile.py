@@ -560,6 +560,19 @@ def test_the_defaults_clients_send_for_unsupported_parameters_are_accepted(http:
     assert r.status_code == 200, r.text
 
 
+def test_every_bound_is_accepted_at_its_edge(http: httpx.Client) -> None:
+    """The refusals above stop one step past each limit; the limit itself is a valid request."""
+    context = 1024
+    edge = {"prompt": "a" * (context - 4), "max_tokens": 4}  # prompt + max_tokens == the context
+    r = http.post("/v1/completions", json=edge, headers=ALICE)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == context - 4, r.text
+    over = {"prompt": "a" * (context - 3), "max_tokens": 4}
+    assert_api_error(http.post("/v1/completions", json=over, headers=ALICE), 400, "context_length_exceeded")
+    for extra in ({"top_p": 0}, {"temperature": 0}, {"temperature": 2, "seed": 1}, {"top_p": 1e-9}):
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **extra}, headers=ALICE)
+        assert r.status_code == 200, (extra, r.text)
+
+
 def test_health_answers_head_too(http: httpx.Client) -> None:
     r = http.head("/health")
     assert r.status_code == 200 and r.content == b""

@@ -207,6 +207,20 @@ def test_the_live_switch_changes_the_outcome_of_the_same_prompt(room: Workshop) 
     teacher.set_fixes("none")  # and back: the room is the faulty engine again
     assert teacher.metrics()['minigrid_fix_enabled{fix="reject-before-transfer"}'] == 0.0
     assert bob.complete("student02", prompt, max_tokens=48).status == 200
+
+    # the fixes that act inside the workers, each alone: the switch reaches the attention read...
+    teacher.set_fixes("owner-check")
+    caught = bob.complete("student02", prompt, max_tokens=48)
+    assert caught.status == 500 and caught.error is not None, caught
+    assert caught.error["code"] == "owner_check_violation" and not whose_secrets(caught.text, "student02")
+    assert teacher.metrics()["minigrid_owner_check_violations_total"] >= 1
+    # ...and the pool's free list: the victim's pages, freed after the switch, are zeroed
+    teacher.set_fixes("scrub-on-free")
+    with ThreadPoolExecutor(2) as pool:
+        assert all(r.ok for r in pool.map(lambda p: victim.complete("student01", p, max_tokens=24), secrets))
+    scrubbed = bob.complete("student02", prompt, max_tokens=48)
+    assert scrubbed.status == 200 and not whose_secrets(scrubbed.text, "student02"), scrubbed.text
+    teacher.set_fixes("none")
     with pytest.raises(EngineRefused, match="401"):  # a made-up admin key is no admin key
         Engine.connect(room.url, room.room.students["student02"], admin_key="sk-nope").set_fixes("all")
 
