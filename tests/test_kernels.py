@@ -256,11 +256,12 @@ def test_seeded_sampling_runs_on_the_device_and_repeats(model) -> None:
             model=model, pool=PoolConfig(512, 16), context_length=256, device=DEVICE, attention=backend
         )
         runs = []
-        for _ in range(2):
-            req = engine.submit("t", PROMPTS[0], max_tokens=8, temperature=0.9, seed=2**40 + 3)
+        for seed in (2**40 + 3, 2**40 + 3, 1, 2, 3):
+            req = engine.submit("t", PROMPTS[1], max_tokens=8, temperature=2.0, seed=seed)
             engine.run()
             runs.append(req.output_ids)
         assert len(runs[0]) == 8 and runs[0] == runs[1], (backend, runs)
+        assert len({tuple(r) for r in runs}) > 2, (backend, runs)  # other seeds draw otherwise
         engine.pool.check_integrity()
 
 

@@ -17,6 +17,7 @@ from minigrid_engine.pool import PoolConfig
 from minigrid_engine.records import record_prompt, shaped_prompt
 from minigrid_engine.request import Outcome
 from minigrid_engine.runner import DecodeItem, ModelRunner, sample
+from minigrid_engine.scenario import codes_in
 
 CODE = re.compile(r"\b[A-Z0-9]{6,10}\b")
 
@@ -154,6 +155,8 @@ def test_same_pages_same_answer_whatever_the_page_size(model) -> None:
         engine = Engine(model=model, pool=PoolConfig(1024, page), context_length=1024)
         texts.add(engine.generate("judy", [prompt], max_tokens=24)[0].text)
     assert len(texts) == 1
+    (text,) = texts
+    assert "JUDY" in text and codes_in(text) & codes_in(prompt), text  # her records, copied
 
 
 def test_sampling_is_seeded(model) -> None:
@@ -163,6 +166,16 @@ def test_sampling_is_seeded(model) -> None:
     engine.run()
     assert a.output_ids == b.output_ids
     assert torch.is_grad_enabled()
+    others = [
+        engine.submit("t", "hello world. hello world. ", max_tokens=12, temperature=1.0, seed=s)
+        for s in range(6)
+    ]
+    greedy = engine.submit("t", "hello world. hello world. ", max_tokens=12)
+    engine.run()
+    samples = {bytes(r.output_ids) for r in others}
+    assert len(samples) > 1 and samples != {bytes(greedy.output_ids)}, (
+        samples
+    )  # the seed draws, it is not greedy
 
 
 def test_a_stop_text_ends_the_answer_and_frees_its_pages(model) -> None:
