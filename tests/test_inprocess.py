@@ -13,7 +13,7 @@ from minigrid_engine.engine import Engine
 from minigrid_engine.fixes import parse_fixes
 from minigrid_engine.handle import pages_read
 from minigrid_engine.inprocess import InProcessCluster
-from minigrid_engine.messages import TransferBegin
+from minigrid_engine.messages import AbortAck, TransferBegin
 from minigrid_engine.model import load_model
 from minigrid_engine.pool import PoolConfig
 from minigrid_engine.records import record_prompt
@@ -182,3 +182,28 @@ def test_a_prompt_exactly_the_prefill_pool_is_prefilled_one_token_more_is_stubbe
     events = [e.to_dict() for e in c.decode_pool.trace.events()]
     writers = [p["last_writer_tenant"] for p in pages_read(events, r.request_id)]
     assert len(writers) == 6 and ("alice" in writers) == stubbed, writers  # stubbed: stale pages read
+
+
+@pytest.mark.parametrize("fixes", ["coverage-check", "coverage-check,deferred-release"])
+def test_a_failed_transfers_pages_wait_for_prefills_word_under_deferred_release(model, fixes: str) -> None:
+    """Decode fails a transfer whose page data never came. The faulty engine frees the pages at
+    once (late data could still land in them); `deferred-release` keeps them until prefill
+    acknowledges that nothing more is coming for the room."""
+    c = InProcessCluster(corrected_preset(fixes=fixes), model)
+    c.on_the_wire = lambda begin, data: None  # the page data is lost
+    held_when_acknowledged: list[int] = []
+    acknowledge = c.decode.on_abort_ack
+
+    def on_abort_ack(msg: AbortAck) -> None:
+        held_when_acknowledged.append(c.decode_pool.pages_in_use)
+        acknowledge(msg)
+
+    c.decode.on_abort_ack = on_abort_ack  # type: ignore[method-assign]
+    r = c.complete("alice", record_prompt("alice", 300, random.Random(4), 8), 8)
+    assert r.status == 502 and r.code == "kv_coverage_mismatch", r
+    if "deferred-release" in fixes:
+        assert held_when_acknowledged == [3]  # 308 tokens of decode KV, quarantined until then
+    else:
+        assert held_when_acknowledged == []
+    assert c.decode_pool.pages_in_use == 0 and c.prefill_pool.pages_in_use == 0
+    c.decode_pool.check_integrity()
