@@ -340,6 +340,7 @@ def _wait_decoding(eng: Engine, tenant: str, timeout_s: float) -> None:
 @dataclass
 class CampaignReport:
     outcomes: list[Outcome]
+    wall_s: float = 0.0  # the whole campaign, engines' starts included
 
     @property
     def faults(self) -> list[Outcome]:
@@ -401,6 +402,7 @@ class CampaignReport:
                 "survived": self.survived,
                 "faults": len(self.faults),
                 "ok": self.ok,
+                "wall_s": round(self.wall_s, 1),
                 "cases": [o.to_dict() for o in self.outcomes],
             },
             indent=2,
@@ -432,6 +434,7 @@ def run_campaign(
     from tqdm import tqdm
 
     outcomes = []
+    started = time.monotonic()
     bar = tqdm(cases, desc="faults", unit="fault", disable=not progress)
     for case in bar:
         bar.set_postfix_str(case.name)
@@ -440,4 +443,4 @@ def run_campaign(
         if on_case is not None:
             on_case(outcome)
     bar.close()
-    return CampaignReport(outcomes)
+    return CampaignReport(outcomes, time.monotonic() - started)
