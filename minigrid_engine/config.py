@@ -198,8 +198,8 @@ class ServeConfig:
             raise ConfigError(f"{spell('attention')} {self.attention!r}: choose torch or triton")
         if self.attention == "triton" and importlib.util.find_spec("triton") is None:
             raise ConfigError(
-                f"{spell('attention')} triton: Triton is not installed (pip install 'minigrid[kernels]'); "
-                f"use {spell('attention')} torch"
+                f"{spell('attention')} triton: Triton is not installed (its wheels are for Linux with "
+                f"Python 3.11+: pip install 'minigrid[kernels]' there); use {spell('attention')} torch"
             )
         if not self.tenants:
             example = '"tenants": {"NAME": "KEY"}' if said_as == "key" else "--tenants NAME:KEY"

@@ -33,6 +33,17 @@ class BadInput(MinigridError, ValueError):
         self.code, self.param = code, param
 
 
+class TritonMissing(MinigridError, ImportError):
+    """Triton is not installed: it ships wheels for Linux with Python 3.11 or later only."""
+
+
+TRITON_MISSING = (
+    "Triton is not installed here; its wheels are for Linux with Python 3.11 or later only "
+    "(pip install 'minigrid[kernels]' there). The Triton kernels (lab 12, --attention triton) need "
+    "it; everything else runs without it. On macOS or Windows, open the labs on Binder or a Linux machine."
+)
+
+
 class PoolError(MinigridError):
     """Misuse of a KV pool: exhaustion, double release, release by a non-owner."""
 

@@ -45,7 +45,7 @@ import torch
 # No GPU and no choice made: the interpreter, decided before triton is imported. (An explicit
 # TRITON_INTERPRET=0 is respected: compiling for a GPU target on a CPU-only machine is legitimate.)
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
-    if "triton" in sys.modules:
+    if sys.modules.get("triton") is not None:
         # triton.language's own helpers (tl.sum, tl.max) were already defined for a GPU
         raise ImportError(
             "triton was imported before minigrid_engine.kernels on a machine without CUDA: set "
@@ -53,10 +53,15 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
         )
     os.environ["TRITON_INTERPRET"] = "1"
 
-import triton
-import triton.language as tl
+from minigrid_engine.errors import TRITON_MISSING, ConfigError, TritonMissing
 
-from minigrid_engine.errors import ConfigError
+try:
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError as exc:
+    if exc.name != "triton":
+        raise
+    raise TritonMissing(TRITON_MISSING) from None
 
 if TYPE_CHECKING:
     from minigrid_engine.pool import KVPool

@@ -123,6 +123,7 @@ def test_slot_reference_is_the_engine_lookup(ps: int) -> None:
 
 
 def test_program_pages_against_the_recorded_kernel_run() -> None:
+    pytest.importorskip("triton", reason="Triton has wheels for Linux with Python 3.11+ only")
     from minigrid_engine import kernels
     from minigrid_engine.model import ModelConfig
     from minigrid_engine.pool import KVPool, PoolConfig
