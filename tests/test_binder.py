@@ -46,9 +46,8 @@ def binder_requirements() -> tuple[dict[str, Requirement], list[str]]:
 def makefile_pins() -> dict[str, Version]:
     """`NAME==VERSION` on the Makefile's install lines (torch and triton, installed before the package)."""
     text = (ROOT / "Makefile").read_text()
-    pins = {
-        canonicalize_name(n): Version(v) for n, v in re.findall(r"\b([A-Za-z0-9_.-]+)==([0-9][^\s'\";]*)", text)
-    }
+    pin = r"\b([A-Za-z0-9_.-]+)==([0-9][^\s'\";]*)"  # NAME==VERSION, before any marker
+    pins = {canonicalize_name(n): Version(v) for n, v in re.findall(pin, text)}
     assert {"torch", "triton"} <= set(pins), f"the Makefile pins {sorted(pins)}"
     return pins
 
