@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import pytest
@@ -123,8 +124,7 @@ def test_slot_reference_is_the_engine_lookup(ps: int) -> None:
 
 
 def test_program_pages_against_the_recorded_kernel_run() -> None:
-    pytest.importorskip("triton", reason="Triton has wheels for Linux with Python 3.11+ only")
-    from minigrid_engine import kernels
+    kernels = pytest.importorskip("minigrid_engine.kernels")  # TritonMissing: no wheel here
     from minigrid_engine.model import ModelConfig
     from minigrid_engine.pool import KVPool, PoolConfig
 
@@ -150,3 +150,61 @@ def test_counterexample_bounds_verdicts() -> None:
     assert not v.ok and "2 pages or more" in v.message and "ahead" not in v.message
     v = checks.check_counterexample_bounds({"requests": "bob:4,alice:3", **sizes, "prefill_pages": "3"})
     assert not v.ok and "prefill_pages is a number of pages" in v.message
+
+
+def test_the_checkers_refuse_the_near_misses_learners_write() -> None:
+    """Each checker's edge cases are there to refuse a plausible wrong answer: one per case."""
+    # 02 audit: page rounding, or a strict comparison (a pool of exactly the context is safe)
+    rounded = checks.check_audit(lambda pools, ctx: all(-(-t // 128) * 128 >= ctx for t in pools.values()))
+    assert not rounded.ok and "no rounding" in rounded.message
+    strict = checks.check_audit(lambda pools, ctx: all(t > ctx for t in pools.values()))
+    assert not strict.ok and "every pool holds a full-context prompt" in strict.message
+    # 01 shortfall: a pool larger than the context is short by 0, not by a negative number
+    pool = "minigrid_kv_pool_capacity_tokens"
+    negative = checks.check_shortfall(
+        lambda m: int(
+            m["minigrid_context_length_tokens"] - min(v for k, v in m.items() if k.startswith(pool))
+        )
+    )
+    assert not negative.ok and "0 when every pool covers the context" in negative.message
+    # 05 foreign codes: the first characters of a code are not the code
+    prefixes = checks.check_foreign_codes(
+        lambda text, prompts: {
+            c for p in prompts for c in re.findall(r"([A-Z0-9]{6,10});", p) if c[:6] in text
+        }
+    )
+    assert not prefixes.ok and "'QZ7K2M'" in prefixes.message
+    # 09 owner check: bob's own earlier request is not the reader either (requests, not tenants)
+    tenants = checks.check_owner_check(
+        lambda table, w, r: [p for p in table if (w.get(p) or "").split("-")[0] != r.split("-")[0]]
+    )
+    assert not tenants.ok and "bob-2" in tenants.message
+
+
+def test_fix_prediction_verdicts() -> None:
+    observed = {"kv-checksum": "leak", "owner-check": "safe"}
+    assert checks.check_fix_prediction({"kv-checksum": "leak", "owner-check": "safe"}, observed).ok
+    v = checks.check_fix_prediction({"kv-checksum": "safe", "owner-check": "safe"}, observed)
+    assert not v.ok and "kv-checksum: you said 'safe', the model says 'leak'" in v.message
+    assert not checks.check_fix_prediction({"kv-checksum": "leak"}, observed).ok  # one left out
+    assert not checks.check_fix_prediction({"kv-checksum": "maybe", "owner-check": "safe"}, observed).ok
+    cut = checks.check_fix_prediction(
+        {"kv-checksum": "leak", "owner-check": "safe"}, {**observed, "owner-check": "no verdict"}
+    )
+    assert not cut.ok and "cut short for owner-check" in cut.message
+
+
+def test_counterexample_bounds_need_a_real_pool_and_a_fixed_protocol_that_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sizes = {"prefill_pages": 3, "decode_pages": 4, "context_pages": 4}
+    v = checks.check_counterexample_bounds({"requests": "bob:4,alice:3", **sizes, "prefill_pages": 2})
+    assert not v.ok and "use 3 or more" in v.message
+    from minigrid_engine import protocol
+    from minigrid_engine.fixes import Fixes
+
+    real = protocol.check_protocol
+    # a model in which the fixes fail too: the bounds prove nothing about them, and the checker says so
+    monkeypatch.setattr(protocol, "check_protocol", lambda sc, fixes: real(sc, Fixes.none()))
+    v = checks.check_counterexample_bounds({"requests": "bob:4,alice:3", **sizes})
+    assert not v.ok and "even the fixed protocol fails here" in v.message

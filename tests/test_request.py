@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from minigrid_engine.request import TRANSITIONS, IllegalTransition, Outcome, Request, State
@@ -17,7 +19,7 @@ PATHS = {
     "decode, early bootstrap": [S.WAITING, S.PREALLOC, S.TRANSFERRING, S.DECODING, S.FINISHED],
     "prefill, no bootstrap wait": [S.WAITING, S.BOOTSTRAPPING, S.PREFILLING, S.TRANSFERRING, S.FINISHED],
 }
-EDGES = {(a, b) for path in PATHS.values() for a, b in zip(path, path[1:])}
+EDGES = {(a, b) for path in PATHS.values() for a, b in itertools.pairwise(path)}
 EDGES |= {(s, S.FINISHED) for s in State if s is not S.FINISHED}
 
 
@@ -28,7 +30,7 @@ def test_each_roles_path_is_walked_and_traced(path: list[State]) -> None:
     for state in path[1:]:
         req.advance(state, trace)
     moves = [(e.detail["from"], e.detail["to"]) for e in trace.events(kind="state")]
-    assert moves == [(a.value, b.value) for a, b in zip(path, path[1:])]
+    assert moves == [(a.value, b.value) for a, b in itertools.pairwise(path)]
 
 
 def test_the_table_has_exactly_these_edges_and_refuses_every_other() -> None:
