@@ -85,8 +85,10 @@ def test_reject_before_transfer_reserves_no_decode_page() -> None:
 
 @pytest.mark.parametrize("n", [INCIDENT, OTHER], ids=["incident", "other-numbers"])
 def test_coverage_check(n: Numbers) -> None:
-    rep, _, log = scenario("coverage-check", n)
+    rep, m, log = scenario("coverage-check", n)
     assert rep.reply.status == 500 and rep.reply.error["code"] == "kv_coverage_mismatch"
+    assert m['minigrid_requests_total{outcome="aborted"}'] == 1  # an error, not a refusal
+    assert m.get('minigrid_requests_total{outcome="rejected"}', 0) == 0
     assert f"prefill wrote 1 token of KV, decode preallocated {n.attacker_len}" in rep.reply.error["message"]
     assert "KV coverage mismatch" in log  # named in the log
     assert rep.reply.text == ""

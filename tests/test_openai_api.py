@@ -175,6 +175,57 @@ def test_chat_answers_what_the_same_text_as_a_completion_answers(client: openai.
     assert r.usage is not None and r.usage.prompt_tokens == len(("Continue.\n" + PROMPT).encode())
 
 
+def test_usage_adds_up_and_max_completion_tokens_is_the_one_that_counts(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=7)
+    assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(PROMPT), 7)
+    assert r.usage.total_tokens == len(PROMPT) + 7
+    messages = [{"role": "user", "content": PROMPT}]
+    c = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=3, max_tokens=9)
+    assert c.usage is not None and c.usage.completion_tokens == 3  # the newer field wins, as OpenAI's
+    assert c.usage.total_tokens == c.usage.prompt_tokens + 3
+
+
+def test_the_python_handles_reply_counts_what_the_api_counts(engine: Engine, client: openai.OpenAI) -> None:
+    reply = engine.complete("alice", PROMPT, max_tokens=5)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5)
+    assert reply.ok and (reply.prompt_tokens, reply.completion_tokens) == (len(PROMPT), 5)
+    assert reply.text == r.choices[0].text and len(reply.text.encode()) == 5
+    assert reply.ttft_s is not None and 0 < reply.ttft_s < 60
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "assistant", "tool", "function"])
+def test_every_role_openai_defines_is_a_chat_message(engine: Engine, role: str) -> None:
+    message: dict[str, object] = {"role": role, "content": "ALICE card QZ7K2M9P; "}
+    message |= (
+        {"tool_call_id": "call_1"} if role == "tool" else {"name": "lookup"} if role == "function" else {}
+    )
+    body = {"model": MODEL, "messages": [message, {"role": "user", "content": "ALICE card"}], "max_tokens": 2}
+    r = httpx.post(
+        f"{engine.url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-alice"}
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_refusals_are_counted_under_their_outcome(engine: Engine) -> None:
+    key = 'minigrid_requests_total{{outcome="{}"}}'.format
+    before = engine.metrics()
+    r = httpx.post(
+        f"{engine.url}/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer no"}
+    )
+    assert r.status_code == 401
+    r = httpx.post(
+        f"{engine.url}/v1/completions",
+        json={"prompt": "x", "max_tokens": 0},
+        headers={"Authorization": "Bearer sk-alice"},
+    )
+    assert r.status_code == 400
+    after = engine.metrics()
+    moved = {
+        o: after.get(key(o), 0) - before.get(key(o), 0) for o in ("unauthorized", "invalid", "ok", "rejected")
+    }
+    assert moved == {"unauthorized": 1, "invalid": 1, "ok": 0, "rejected": 0}, moved
+
+
 @pytest.mark.parametrize("stop", [None, "card"])
 def test_a_streamed_completion_is_the_whole_one_in_pieces(client: openai.OpenAI, stop: str | None) -> None:
     whole_reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, stop=stop)
