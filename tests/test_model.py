@@ -16,7 +16,7 @@ from minigrid_engine.model import load_meta, load_model
 from minigrid_engine.pool import PoolConfig
 from minigrid_engine.records import record_prompt, shaped_prompt
 from minigrid_engine.request import Outcome
-from minigrid_engine.runner import DecodeItem, ModelRunner, sample
+from minigrid_engine.runner import DecodeItem, ModelRunner, sample, sampling_generator
 from minigrid_engine.scenario import codes_in
 
 CODE = re.compile(r"\b[A-Z0-9]{6,10}\b")
@@ -220,3 +220,27 @@ def test_a_prefill_that_fails_gives_its_pages_back(model, monkeypatch: pytest.Mo
     monkeypatch.undo()
     [done] = engine.generate("t", ["hello world. " * 4], max_tokens=4)  # the engine goes on
     assert done.outcome is Outcome.LENGTH and len(done.token_ids) == 4
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_sampling_draws_from_softmax_of_the_logits_over_the_temperature(temperature: float) -> None:
+    logits = torch.tensor([0.0, 1.0, 2.0])
+    want = torch.softmax(logits.double() / temperature, -1)
+    gen = torch.Generator().manual_seed(0)
+    n = 4000
+    counts = torch.bincount(torch.tensor([sample(logits, temperature, gen) for _ in range(n)]), minlength=3)
+    # 4,000 draws: each frequency within 4 standard deviations of its probability
+    assert torch.all((counts / n - want).abs() <= 4 * (want * (1 - want) / n).sqrt()), (counts, want)
+    assert sample(logits, 0.0) == 2 and sample(logits, 1e-300, gen) == 2  # greedy, and its limit
+
+
+def test_a_seeds_two_sampling_streams_and_nearby_seeds_draw_apart() -> None:
+    first = [torch.rand(4, generator=sampling_generator(s, stream)) for s, stream in ((7, 0), (7, 1), (8, 0))]
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[0], first[2])
+    again = torch.rand(4, generator=sampling_generator(7, 0))
+    assert torch.equal(first[0], again)
+    # seeds 2**32 apart: torch keeps 32 bits of a seed it is given; the hash keeps all 64
+    assert not torch.equal(
+        torch.rand(4, generator=sampling_generator(5, 0)),
+        torch.rand(4, generator=sampling_generator(5 + 2**32, 0)),
+    )
