@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from cli_run import minigrid
 
 from minigrid_engine.canary import CanaryHarness
 from minigrid_engine.config import incident_preset
-from minigrid_engine.fuzz import FuzzConfig, expected_status, fuzz, plan, replay
+from minigrid_engine.fuzz import FuzzConfig, FuzzReport, expected_status, fuzz, plan, replay
 
 
 def ev(kind: str, request: str | None, tenant: str | None, pages: list[int], seq: int = 0) -> dict[str, Any]:
@@ -129,3 +130,20 @@ def test_reject_before_transfer_refuses_every_prompt_over_the_pool() -> None:
     assert rep.unexpected == [] and rep.oversized_accepted == 0
     assert rep.isolated, rep.table()
     assert rep.rejected > 10 and rep.ok > 10
+
+
+@pytest.mark.parametrize(
+    "harm",
+    [
+        {"leaked_responses": 1},
+        {"foreign_pages": 1},
+        {"double_owned": 1},
+        {"pages_in_use": {"prefill": 0, "decode": 1}},
+        {"integrity": {"prefill": "ok", "decode": "page 3 held by a and b"}},
+    ],
+    ids=["leak", "foreign page", "double owned", "a page still held", "integrity"],
+)
+def test_isolation_fails_on_any_one_harm(harm: dict[str, object]) -> None:
+    clean = {"pages_in_use": {"prefill": 0, "decode": 0}, "integrity": {"prefill": "ok", "decode": "ok"}}
+    assert FuzzReport("all", {}, **clean).isolated  # type: ignore[arg-type]
+    assert not FuzzReport("all", {}, **{**clean, **harm}).isolated  # type: ignore[arg-type]
