@@ -124,6 +124,9 @@ def test_keys_file_is_private_complete_and_never_logged(room: Workshop) -> None:
     keys = [r["key"] for r in rows]
     assert len(set(keys)) == 4 and all(k.startswith("sk-") and len(k) > 20 for k in keys)
     assert room.room.students == {r["name"]: r["key"] for r in rows if r["role"] == "student"}
+    from_csv = load_keys(room.keys)  # the CSV reads back as the JSON does: the instructor apart
+    assert (from_csv.students, from_csv.instructor_key) == (room.room.students, room.room.instructor_key)
+    assert from_csv.instructor_key not in from_csv.students.values()
     log = room.log.read_text()
     assert str(room.keys) in log and room.url in log
     assert not any(k in log for k in keys), "a key was printed in the startup log"
@@ -297,3 +300,12 @@ def test_a_keys_file_named_json_gets_the_json(
     given: str, csv_name: str, json_name: str, tmp_path: Path
 ) -> None:
     assert keys_paths(tmp_path / given) == (tmp_path / csv_name, tmp_path / json_name)
+
+
+def test_a_students_own_secrets_are_not_anothers() -> None:
+    mine = secret_prompt("student01", 200, 1)
+    theirs = secret_prompt("student02", 200, 2)
+    own, other = sorted(secret_codes(mine))[0], sorted(secret_codes(theirs))[0]
+    assert whose_secrets(f"x {own}; y", "student01") == {}
+    assert whose_secrets(f"x {own}; {other}; y", "student01") == {"student02": {other}}
+    assert whose_secrets(f"x {own}; y", "student02") == {"student01": {own}}
