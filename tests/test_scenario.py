@@ -8,7 +8,7 @@ import pytest
 
 from minigrid_engine.errors import MinigridError
 from minigrid_engine.handle import Reply
-from minigrid_engine.scenario import _held_at_once, replay_day, run_incident, run_late_transfer
+from minigrid_engine.scenario import LeakReport, _held_at_once, replay_day, run_incident, run_late_transfer
 
 
 class Stated:
@@ -62,3 +62,21 @@ def test_victims_that_did_not_hold_their_pages_at_once_are_told_apart() -> None:
     assert not _held_at_once(Traced(("alice-5", [0, 1, 2, 3, 4]), ("alice-6", [0, 1, 2, 3, 4])), replies)
     # another request's pages do not count
     assert _held_at_once(Traced(("alice-5", [0, 1]), ("bob-1", [0, 1]), ("alice-6", [2, 3])), replies)
+
+
+@pytest.mark.parametrize(
+    ("codes", "run", "says"),
+    [
+        ({"QZ7K2M9P"}, 0, "LEAK: alice's codes QZ7K2M9P"),
+        (set(), 24, "LEAK: 24 characters in a row of alice's text"),  # a leak that shows no whole code
+        (set(), 23, "clean"),
+    ],
+)
+def test_a_leak_is_her_codes_or_a_long_enough_run_of_her_text(codes: set[str], run: int, says: str) -> None:
+    answer = Reply(200, "...", 1000, 24, "bob-9", 0.04, 0.1)
+    rep = LeakReport("alice", "bob", [], [], "", answer, codes, run)
+    assert rep.leaked == (says != "clean") and rep.content() == says
+    refused = LeakReport(
+        "alice", "bob", [], [], "", Reply(400, "", None, None, "bob-9", None, 0.01), set(), 0
+    )
+    assert not refused.leaked and refused.content() == "no answer to test (HTTP 400)"
