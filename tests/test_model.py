@@ -244,3 +244,34 @@ def test_a_seeds_two_sampling_streams_and_nearby_seeds_draw_apart() -> None:
         torch.rand(4, generator=sampling_generator(5, 0)),
         torch.rand(4, generator=sampling_generator(5 + 2**32, 0)),
     )
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "max_tokens", "says"),
+    [
+        (200, 40, "= 240 exceeds the KV pool of 224 tokens"),
+        (1000, 40, "= 1040 exceeds the context length of 1024"),
+        (200, 24, None),
+    ],
+)
+def test_the_one_process_engine_refuses_what_its_pool_or_context_cannot_hold(
+    model, prompt_tokens: int, max_tokens: int, says: str | None
+) -> None:
+    engine = Engine(model=model, pool=PoolConfig(224, 16), context_length=1024)  # 14 pages of 16
+    req = engine.submit("t", "x" * prompt_tokens, max_tokens=max_tokens)
+    engine.run()  # returns: nothing waits for pages that can never come
+    if says is None:  # 224 tokens exactly: it fits
+        assert req.outcome is Outcome.LENGTH and len(req.output_ids) == 24
+    else:
+        assert req.outcome is Outcome.REJECTED and says in (req.error or ""), req.error
+    assert engine.pool.pages_in_use == 0
+
+
+def test_the_one_process_engine_runs_at_most_max_batch_requests_at_once(model) -> None:
+    engine = Engine(model=model, pool=PoolConfig(2048, 16), context_length=512, max_batch=2)
+    reqs = [engine.submit("t", f"ALICE card QZ7K2M9{i}; " * 3, max_tokens=6) for i in range(3)]
+    most = 0
+    while engine.waiting or engine.running:
+        engine.step()
+        most = max(most, len(engine.running))
+    assert most == 2 and all(r.outcome is Outcome.LENGTH for r in reqs)
