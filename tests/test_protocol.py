@@ -91,3 +91,31 @@ def test_a_safe_verdict_with_an_unguarded_stub_says_it_holds_for_these_requests_
     assert check_protocol(unlucky, Fixes.none()).violation_kind == "stale-read"
     guarded = check_protocol(lucky, replace(Fixes.none(), owner_check=True))
     assert guarded.safe and not guarded.stubbed_unguarded and "note:" not in guarded.format()
+
+
+def test_the_search_bound_gives_no_verdict_one_state_short() -> None:
+    whole = check_protocol(INCIDENT, FIXED)
+    n = whole.states_explored
+    assert whole.complete and whole.safe
+    exact = check_protocol(replace(INCIDENT, max_states=n), FIXED)
+    assert exact.complete and exact.safe and exact.states_explored == n
+    short = check_protocol(replace(INCIDENT, max_states=n - 1), FIXED)
+    assert not short.complete and not short.safe and short.verdict != "safe"
+
+
+def test_the_state_invariant_catches_a_page_lost_or_held_twice() -> None:
+    from minigrid_engine.protocol import Protocol
+
+    model = Protocol(INCIDENT, Fixes.none())
+    w = model.initial()
+    assert model.double_owner(w) is None
+    lost = replace(w, dfree=w.dfree[1:])  # a page neither free nor held
+    assert model.double_owner(lost) == f"decode: {len(w.dfree) - 1} free + 0 held != {len(w.dfree)} pages"
+    page = w.pfree[-1]
+    twice = replace(w, pblock=((page,), *w.pblock[1:]))  # in a block table and still free
+    assert "prefill page" in (model.double_owner(twice) or "")
+
+
+def test_an_unguarded_stub_is_noted_only_under_a_safe_verdict() -> None:
+    leak = check_protocol(INCIDENT, Fixes.none())
+    assert leak.violation is not None and leak.stubbed_unguarded == ()
