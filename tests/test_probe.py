@@ -177,6 +177,22 @@ def test_a_server_that_is_not_openai_compatible_is_named(serve: Any) -> None:
     assert "--max-tokens 40000 leaves 0 of the context's 32768 tokens" in proc.stderr, proc.stderr
 
 
+def test_a_server_that_refuses_every_prompt_tested_nothing(serve: Any) -> None:
+    """Every prompt answered 400 (a wrong model name, a proxy's limit): no leak seen, but nothing
+    was tested either, so the exit status is 2, not the 0 of a pass."""
+    other = OtherServer(False)
+    refusal = json.dumps({"error": {"message": "over this proxy's limit", "code": "x"}})
+
+    def calibrate_then_refuse(body: Any) -> tuple[int, str]:  # calibration: 256 and 1,024 characters
+        return other.complete(body) if len(body["prompt"]) <= 1024 else (400, refusal)
+
+    server = serve({"/v1/models": other.models, "/v1/completions": calibrate_then_refuse})
+    named = ("--model", "x", "--context-length", "4096", "--prompt-tokens", "400,800", "--rounds", "1")
+    proc = minigrid("probe", "--url", server.url, "--tenants", TENANTS, *named, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "NOTHING TESTED: no prompt got an answer (HTTP 200)" in proc.stdout
+
+
 def test_prompt_lengths_the_context_refuses_are_named_before_anything_is_sent(serve: Any) -> None:
     """A 32,750-token prompt with 48 answer tokens exceeds the 32,768-token context: the server's
     400 would say nothing of its pools, and a run of such prompts would pass as clean."""
@@ -223,6 +239,13 @@ def test_an_answer_faster_than_its_prefill_fails() -> None:
     )
     assert report.judge_timing() is None and report.ok
     assert "4 prompts in flight at once (no timing verdict)" in report.text()
+    two = ProbeReport(
+        "http://x", "m", 8192, 4.0, 0.0, [_shot(1000, 0.4), _shot(1000, 0.5), _shot(8000, 0.05)], 2
+    )
+    assert two.judge_timing() is None and two.ok  # two at once are already a queue
+    # one streamed answer of the shortest length is no baseline to judge by
+    one = ProbeReport("http://x", "m", 8192, 4.0, 0.0, [_shot(1000, 0.4), _shot(8000, 0.05)])
+    assert one.judge_timing() is None and one.ok
 
 
 def test_prompts_in_flight_at_once_still_find_the_leak_past_the_pool() -> None:
