@@ -105,6 +105,17 @@ def test_restarts_older_than_the_window_no_longer_count() -> None:
     assert "restarted them 2 times in 60 s" in (r.note or "")
 
 
+def test_a_restart_exactly_the_window_ago_no_longer_counts() -> None:
+    now = [1000.0]
+    r = Recovery(limit=1, window_s=60, clock=lambda: now[0])
+    assert r.on_failure(KILLED)
+    r.restarted(1.0)
+    now[0] += 59.999  # within the window: the limit of 1 is reached
+    assert r.recent() == 1
+    now[0] = 1060.0  # 60 s after it began: out of the window
+    assert r.recent() == 0 and r.on_failure(KILLED), r.note
+
+
 def test_a_failed_restart_tries_again_within_the_limit() -> None:
     r = Recovery(limit=2)
     assert r.on_failure(KILLED)
