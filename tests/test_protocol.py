@@ -119,3 +119,18 @@ def test_the_state_invariant_catches_a_page_lost_or_held_twice() -> None:
 def test_an_unguarded_stub_is_noted_only_under_a_safe_verdict() -> None:
     leak = check_protocol(INCIDENT, Fixes.none())
     assert leak.violation is not None and leak.stubbed_unguarded == ()
+
+
+def test_coverage_check_catches_the_smallest_stub_of_two_pages() -> None:
+    """A stub of a 2-page prompt writes 1 page of 2: one short is still short."""
+    sc = make_scenario(
+        INCIDENT,
+        requests=parse_requests("alice:1,carol:1,bob:2"),
+        prefill_pages=1,
+        decode_pages=3,
+        context_pages=2,
+    )
+    leak = check_protocol(sc, Fixes.none())
+    assert leak.violation_kind == "stale-read" and leak.violation is not None
+    fixed = check_protocol(sc, replace(Fixes.none(), coverage_check=True))
+    assert fixed.safe and fixed.complete
