@@ -204,18 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     for b in a.batches:
         lens = [max(8, int(a.prompt_len * rng.uniform(0.75, 1.25))) for _ in range(b)]
         prompts = [list(record_prompt(f"t{i}", n, rng, 6).encode()) for i, n in enumerate(lens)]
-        paged_t, contig_t, step_ratios = [], [], []
+        paged_t, base_t, step_ratios = [], [], []
         same = True
         for _ in range(a.rounds):
             tp, tc, same_tokens, ratios = run_side_by_side(
                 model, prompts, a.steps, a.page_size, a.attention, a.against
             )
             paged_t.append(tp)
-            contig_t.append(tc)
+            base_t.append(tc)
             same &= same_tokens
             step_ratios += ratios
-        tp, tc = min(paged_t), min(contig_t)
-        ratio = statistics.median(p / c for p, c in zip(paged_t, contig_t))
+        tp, tc = min(paged_t), min(base_t)
+        ratio = statistics.median(p / c for p, c in zip(paged_t, base_t))
         row = {
             "batch": b,
             "decode_steps": a.steps,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import InitVar, asdict, dataclass, field, fields, replace
 from typing import Any
 
-from minigrid_engine.errors import ConfigError, counted
+from minigrid_engine.errors import TRITON_WHEELS, ConfigError, counted
 from minigrid_engine.fixes import Fixes, parse_fixes
 from minigrid_engine.recovery import DEFAULT_RESTART_WINDOW_S
 
@@ -198,8 +198,8 @@ class ServeConfig:
             raise ConfigError(f"{spell('attention')} {self.attention!r}: choose torch or triton")
         if self.attention == "triton" and importlib.util.find_spec("triton") is None:
             raise ConfigError(
-                f"{spell('attention')} triton: Triton is not installed (its wheels are for Linux with "
-                f"Python 3.11+: pip install 'minigrid[kernels]' there); use {spell('attention')} torch"
+                f"{spell('attention')} triton: Triton is not installed ({TRITON_WHEELS}); "
+                f"use {spell('attention')} torch"
             )
         if not self.tenants:
             example = '"tenants": {"NAME": "KEY"}' if said_as == "key" else "--tenants NAME:KEY"

@@ -37,10 +37,13 @@ class TritonMissing(MinigridError, ImportError):
     """Triton is not installed: it ships wheels for Linux with Python 3.11 or later only."""
 
 
+TRITON_WHEELS = (
+    "its wheels are for Linux with Python 3.11 or later only (pip install 'minigrid[kernels]' there)"
+)
 TRITON_MISSING = (
-    "Triton is not installed here; its wheels are for Linux with Python 3.11 or later only "
-    "(pip install 'minigrid[kernels]' there). The Triton kernels (lab 12, --attention triton) need "
-    "it; everything else runs without it. On macOS or Windows, open the labs on Binder or a Linux machine."
+    f"Triton is not installed here; {TRITON_WHEELS}. The Triton kernels (lab 12, --attention triton) "
+    "need it; everything else runs without it. On macOS or Windows, open the labs on Binder or a "
+    "Linux machine."
 )
 
 

@@ -24,6 +24,13 @@ def model():
     return load_model()
 
 
+def assert_pools_whole(cluster: InProcessCluster) -> None:
+    """Both pools intact, every page back."""
+    for pool in (cluster.prefill_pool, cluster.decode_pool):
+        pool.check_integrity()
+        assert pool.pages_in_use == 0
+
+
 def incident(cluster: InProcessCluster, seed: int = 0):
     rng = random.Random(seed)
     for _ in range(2):
@@ -39,9 +46,7 @@ def test_faulty_protocol_reads_seven_stale_pages(model) -> None:
     events = [e.to_dict() for e in c.decode_pool.trace.events()]
     writers = [p["last_writer_tenant"] for p in pages_read(events, r.request_id)]
     assert writers.count("alice") == 7 and writers.count("bob") == 1
-    for pool in (c.prefill_pool, c.decode_pool):
-        pool.check_integrity()
-        assert pool.pages_in_use == 0
+    assert_pools_whole(c)
 
 
 def test_rejection_reserves_nothing_in_either_pool(model) -> None:
@@ -69,9 +74,7 @@ def test_a_request_larger_than_the_decode_pool_is_refused_and_the_queue_goes_on(
     assert "624 tokens of decode KV (600 prompt + 24 max_tokens)" in (r.error or "")
     assert "decode KV pool of 512 tokens" in (r.error or "")
     assert c.results[small].status == 200 and len(c.results[small].output_ids) > 0
-    for pool in (c.prefill_pool, c.decode_pool):
-        pool.check_integrity()
-        assert pool.pages_in_use == 0
+    assert_pools_whole(c)
 
 
 def test_a_seed_samples_the_same_text_in_both_engines_and_every_bit_of_it_counts(model) -> None:
@@ -110,9 +113,7 @@ def test_a_page_lost_on_the_wire_is_caught_by_coverage_check(model, fixes: str) 
     else:
         assert r.status == 502 and r.code == "kv_coverage_mismatch"
         assert "page data for only 4 of 5 prompt pages had arrived" in (r.error or "")
-    for pool in (c.prefill_pool, c.decode_pool):
-        pool.check_integrity()
-        assert pool.pages_in_use == 0
+    assert_pools_whole(c)
 
 
 @pytest.mark.parametrize("fixes", ["none", "coverage-check"])
@@ -135,9 +136,7 @@ def test_page_data_named_for_pages_the_room_does_not_hold_is_written_nowhere(mod
         assert not written
         (dropped,) = c.decode_pool.trace.events(kind="dropped")
         assert dropped.pages[0] == victim
-    for pool in (c.prefill_pool, c.decode_pool):
-        pool.check_integrity()
-        assert pool.pages_in_use == 0
+    assert_pools_whole(c)
 
 
 def test_decode_checking_coverage_refuses_a_prefill_that_states_no_kv_length(model) -> None:
@@ -205,5 +204,4 @@ def test_a_failed_transfers_pages_wait_for_prefills_word_under_deferred_release(
         assert held_when_acknowledged == [3]  # 308 tokens of decode KV, quarantined until then
     else:
         assert held_when_acknowledged == []
-    assert c.decode_pool.pages_in_use == 0 and c.prefill_pool.pages_in_use == 0
-    c.decode_pool.check_integrity()
+    assert_pools_whole(c)
