@@ -173,9 +173,9 @@ def _own_codes_only(tenant: str, prompt: str, reply: Reply) -> None:
     assert not foreign, (tenant, reply.text)
 
 
-def _no_secret_of(prompts: dict[str, str], reply: Reply, reader: str) -> None:
-    """No other tenant's code appears anywhere in what `reader` got back (text, error, body)."""
-    seen = json.dumps(reply.body)
+def _no_secret_of(prompts: dict[str, str], body: dict[str, Any], reader: str) -> None:
+    """No other tenant's code appears anywhere in the response body `reader` got (text or error)."""
+    seen = json.dumps(body)
     for tenant, prompt in prompts.items():
         if tenant != reader:
             leaked = {c for c in record_codes(prompt, tenant) if c in seen}
@@ -239,7 +239,7 @@ def test_a_decode_worker_killed_while_idle_is_restarted_and_the_engine_serves_ag
         assert set(new.values()).isdisjoint(old.values())  # every worker is a new process
         after = eng.complete("bob", prompts["bob"], max_tokens=16)
         _own_codes_only("bob", prompts["bob"], after)
-        _no_secret_of(prompts, after, "bob")
+        _no_secret_of(prompts, after.body, "bob")
         _whole_again(eng)
         assert eng.metrics()["minigrid_worker_restarts_total"] == 1
         # the counters the dead processes held stay counted: a _total never goes down
@@ -254,25 +254,52 @@ def test_the_prefill_worker_killed_during_a_transfer_fails_that_request_and_the_
     prompts = {t: record_prompt(t, 300, rng, 4) for t in ("alice", "bob")}
     # the transfer is held open 3 s; decode waits for it far longer than that
     cfg = incident_preset(tenants=TENANTS, inject=("delay-transfer=3",), release_timeout_s=60)
-    with Engine.start(cfg) as eng, ThreadPoolExecutor(1) as pool:
-        slow = pool.submit(eng.complete, "alice", prompts["alice"], max_tokens=8)
-        _wait_event(eng, "prefill", "fault")  # prefill holds the page data: the transfer is open
-        _wait_event(eng, "decode", "reserve")  # and decode holds pages for it
-        os.kill(eng.worker_pids()["prefill"], signal.SIGKILL)
-        r = slow.result(timeout=60)
-        assert r.status == 503 and r.error is not None and r.error["code"] == "worker_unavailable", r.error
-        assert r.error["message"].startswith(
+    with Engine.start(cfg) as eng:
+        r = _kill_prefill_mid_transfer(eng, "alice", prompts["alice"])
+        assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable", r.text
+        assert r.json()["error"]["message"].startswith(
             "the prefill worker died (exit status -9); the router is restarting"
         )
+        assert int(r.headers["retry-after"]) >= 1  # a restart will cure it: say when to come back
         body = eng.wait_health("ok", "down")
         assert body["status"] == "ok", body
         assert body["last_failure"]["worker"] == "prefill-0", body  # not decode, which exited after it
         _whole_again(eng)  # the pages decode held for alice went with the old pool
         after = eng.complete("bob", prompts["bob"], max_tokens=16)  # held 3 s too: a fresh prefill
         _own_codes_only("bob", prompts["bob"], after)
-        _no_secret_of(prompts, after, "bob")
-        _no_secret_of(prompts, r, "alice")
+        _no_secret_of(prompts, after.body, "bob")
+        _no_secret_of(prompts, r.json(), "alice")
         _whole_again(eng)
+
+
+def _kill_prefill_mid_transfer(eng: Engine, tenant: str, prompt: str) -> Any:
+    """Kill the prefill worker while it holds `tenant`'s transfer open (the engine must inject
+    `delay-transfer`); the HTTP response that request then gets."""
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(
+            eng.http.post,
+            "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 8},
+            headers={"Authorization": f"Bearer {TENANTS[tenant]}"},
+        )
+        _wait_event(eng, "prefill", "fault")  # prefill holds the page data: the transfer is open
+        _wait_event(eng, "decode", "reserve")  # and decode holds pages for it
+        os.kill(eng.worker_pids()["prefill"], signal.SIGKILL)
+        return slow.result(timeout=60)
+
+
+def test_a_request_in_flight_when_the_engine_goes_down_is_not_told_to_retry() -> None:
+    cfg = incident_preset(
+        tenants=TENANTS, inject=("delay-transfer=3",), release_timeout_s=60, worker_restarts=0
+    )
+    with Engine.start(cfg) as eng:
+        r = _kill_prefill_mid_transfer(eng, "alice", record_prompt("alice", 300, random.Random(13), 4))
+        assert r.status_code == 503 and "retry-after" not in r.headers  # no restart is coming
+        error = r.json()["error"]
+        assert error["code"] == "worker_unavailable", error
+        assert error["message"].startswith("the prefill worker died (exit status -9); the router will not")
+        assert "restarts are off (--worker-restarts 0)" in error["message"]
+        assert eng.wait_health("down")["status"] == "down"
 
 
 def test_when_the_restart_limit_is_reached_the_engine_is_down_and_says_so() -> None:
