@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import needs
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -43,9 +43,8 @@ def test_decode_bench(tmp_path: Path) -> None:
     assert r["peak_rss_mib"] > 0
 
 
+@needs.triton
 def test_decode_bench_triton_against_the_torch_path(tmp_path: Path) -> None:
-    if importlib.util.find_spec("triton") is None:  # not imported here: the kernels module does that
-        pytest.skip("Triton has wheels for Linux with Python 3.11+ only")
     args = ["--batches", "2", "--steps", "2", "--prompt-len", "40", "--rounds", "1", "--page-size", "16"]
     r = run("decode.py", tmp_path / "t.json", "--attention", "triton", "--against", "torch", *args)
     (row,) = r["rows"]

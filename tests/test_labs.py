@@ -8,11 +8,11 @@ times it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
+import needs
 import pytest
 
 from minigrid_engine.canary import longest_shared_run
@@ -206,9 +206,8 @@ def test_11_student_copy_rejects_the_stub(tmp_path: Path) -> None:
     assert r["verdicts"] == {"possibly_affected": False}
 
 
+@needs.triton
 def test_12_the_kernel_reads_alices_pages_and_owner_check_flags_them(tmp_path: Path) -> None:
-    if importlib.util.find_spec("triton") is None:  # not imported here: the kernels module does that
-        pytest.skip("Triton has wheels for Linux with Python 3.11+ only")
     r = run("12_the_kernel.ipynb", tmp_path)
     assert "ALICE" in r["answer"], r["answer"]
     assert r["flagged_pages"] == r["alice_pages_read"] and r["flagged_pages"]
