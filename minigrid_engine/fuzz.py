@@ -386,9 +386,10 @@ class Campaign:
             rep.oversized_accepted += o.status == 200 and s.prompt_tokens > cfg.prefill_pool_tokens
             want = expected_status(s, cfg)
             if want is not None and (o.status, o.code) != want:
+                expected, got = (" ".join(str(x) for x in pair if x is not None) for pair in (want, (o.status, o.code)))
                 rep.unexpected.append(
-                    f"request {s.index} ({s.prompt_tokens} + {s.max_tokens} tokens): expected {want[0]} "
-                    f"{want[1] or ''}, got {o.status} {o.code or ''}".replace("  ", " ")
+                    f"request {s.index} ({s.prompt_tokens} + {s.max_tokens} tokens): "
+                    f"expected {expected}, got {got}"
                 )
             if o.status != 200:
                 continue

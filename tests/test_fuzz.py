@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -10,7 +11,18 @@ from cli_run import minigrid
 
 from minigrid_engine.canary import CanaryHarness
 from minigrid_engine.config import incident_preset
-from minigrid_engine.fuzz import FuzzConfig, FuzzReport, expected_status, fuzz, plan, replay
+from minigrid_engine.fuzz import (
+    ROLES,
+    Campaign,
+    FuzzConfig,
+    FuzzReport,
+    Outcome,
+    Shot,
+    expected_status,
+    fuzz,
+    plan,
+    replay,
+)
 
 
 def ev(kind: str, request: str | None, tenant: str | None, pages: list[int], seq: int = 0) -> dict[str, Any]:
@@ -147,3 +159,26 @@ def test_isolation_fails_on_any_one_harm(harm: dict[str, object]) -> None:
     clean = {"pages_in_use": {"prefill": 0, "decode": 0}, "integrity": {"prefill": "ok", "decode": "ok"}}
     assert FuzzReport("all", {}, **clean).isolated  # type: ignore[arg-type]
     assert not FuzzReport("all", {}, **{**clean, **harm}).isolated  # type: ignore[arg-type]
+
+
+def test_the_judge_counts_each_kind_of_answer_and_names_what_the_fixes_do_not_allow() -> None:
+    cfg = incident_preset()  # context 1,024, prefill pool 665, every fix
+    campaign = Campaign(SimpleNamespace(admin_key="sk-admin"), cfg, FuzzConfig())  # type: ignore[arg-type]
+    short, long = Shot(0, "alice", "a" * 100, 8, None), Shot(1, "bob", "b" * 700, 8, None)
+    outcomes = [
+        Outcome(short, 200, text="fine"),
+        Outcome(short, None),  # the client hung up first
+        Outcome(short, 0, "ConnectError"),  # no answer at all: the engine's failure
+        Outcome(short, 503, "engine_down"),
+        Outcome(long, 400, "context_length_exceeded"),
+    ]
+    whole = {role: {"ok": True} for role in ROLES}
+    rep = campaign._judge(outcomes, {"prefill": 0, "decode": 0}, whole)
+    assert (rep.requests, rep.ok, rep.aborted, rep.errors, rep.rejected) == (5, 1, 1, 2, 1)
+    assert rep.unexpected == [
+        "request 0 (100 + 8 tokens): expected 200, got 0 ConnectError",
+        "request 0 (100 + 8 tokens): expected 200, got 503 engine_down",
+    ]
+    assert rep.isolated and rep.leaked_responses == 0 and rep.oversized_accepted == 0
+    stubbed = campaign._judge([Outcome(long, 200, text="?")], {"prefill": 0, "decode": 0}, whole)
+    assert stubbed.oversized_accepted == 1  # over the prefill pool, yet 200: the incident's symptom
