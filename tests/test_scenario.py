@@ -6,9 +6,19 @@ from typing import Any
 
 import pytest
 
+from minigrid_engine.canary import Finding
 from minigrid_engine.errors import MinigridError
+from minigrid_engine.forensics import AffectedResponse
 from minigrid_engine.handle import Reply
-from minigrid_engine.scenario import LeakReport, _held_at_once, replay_day, run_incident, run_late_transfer
+from minigrid_engine.scenario import (
+    DayReport,
+    DayRequest,
+    LeakReport,
+    _held_at_once,
+    replay_day,
+    run_incident,
+    run_late_transfer,
+)
 
 
 class Stated:
@@ -80,3 +90,27 @@ def test_a_leak_is_her_codes_or_a_long_enough_run_of_her_text(codes: set[str], r
         "alice", "bob", [], [], "", Reply(400, "", None, None, "bob-9", None, 0.01), set(), 0
     )
     assert not refused.leaked and refused.content() == "no answer to test (HTTP 400)"
+
+
+def test_the_day_counts_only_affected_responses_that_were_served() -> None:
+    def request(
+        rid: str, tokens: int, status: int = 200, canaries: dict[str, set[str]] | None = None
+    ) -> DayRequest:
+        reply = Reply(status, "", tokens, 4, rid, 0.1, 0.2)
+        return DayRequest("bob", tokens, reply, Finding("bob", canaries or {}))
+
+    day = DayReport(
+        [
+            request("a", 100),
+            request("b", 700, canaries={"alice": {"ALICE-7Q2"}}),  # read alice's pages, and shows it
+            request("c", 900),  # read alice's pages: nothing readable came out
+            request("d", 800, status=400),  # read nothing: refused
+        ],
+        [AffectedResponse(rid, "bob", 1024, {"alice": [3]}) for rid in ("b", "c", "gone")],
+        threshold_tokens=665,
+    )
+    assert (day.served, day.over_threshold, day.with_foreign_canaries) == (3, 3, 1)
+    assert [r.reply.request_id for r in day.affected_served] == ["b", "c"]  # not a request never seen
+    assert day.shortest_affected_prompt() == 700
+    assert "affected responses (200)        2" in day.table()
+    assert "with foreign canaries         1" in day.table()
