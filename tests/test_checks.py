@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -150,6 +152,11 @@ def test_counterexample_bounds_verdicts() -> None:
     assert not v.ok and "2 pages or more" in v.message and "ahead" not in v.message
     v = checks.check_counterexample_bounds({"requests": "bob:4,alice:3", **sizes, "prefill_pages": "3"})
     assert not v.ok and "prefill_pages is a number of pages" in v.message
+    # every prompt fits the pool: the hint names the context when it leaves no room above the pool
+    v = checks.check_counterexample_bounds({"requests": "alice:2,bob:2", **sizes})
+    assert not v.ok and "longer than the pool, but within the context (4 pages)" in v.message
+    v = checks.check_counterexample_bounds({"requests": "alice:2,bob:2", **sizes, "context_pages": 3})
+    assert not v.ok and "raise context_pages above prefill_pages" in v.message
 
 
 def test_the_checkers_refuse_the_near_misses_learners_write() -> None:
@@ -208,3 +215,26 @@ def test_counterexample_bounds_need_a_real_pool_and_a_fixed_protocol_that_holds(
     monkeypatch.setattr(protocol, "check_protocol", lambda sc, fixes: real(sc, Fixes.none()))
     v = checks.check_counterexample_bounds({"requests": "bob:4,alice:3", **sizes})
     assert not v.ok and "even the fixed protocol fails here" in v.message
+
+
+def stub(*args: object) -> None: ...  # an exercise as the student gets it
+
+
+CLEAN = {"clean": {"status": 200, "foreign_canaries": [], "leaked": False}}
+STUBBED: dict[str, Callable[[Any], checks.Verdict]] = {
+    "shortfall": checks.check_shortfall,
+    "slot": checks.check_slot,
+    "audit": checks.check_audit,
+    "foreign_codes": checks.check_foreign_codes,
+    "checksum": checks.check_checksum,
+    "owner_check": checks.check_owner_check,
+    "possibly_affected": checks.check_possibly_affected,
+    "catcher": lambda fn: checks.check_catcher(fn, CLEAN),
+}
+
+
+@pytest.mark.parametrize("exercise", STUBBED)
+def test_an_unfilled_stub_is_told_to_fill_it_in_not_graded_as_an_answer(exercise: str) -> None:
+    v = STUBBED[exercise](stub)
+    assert not v.ok and "your function returned None: replace the `...` with your code" in v.message
+    assert "you said" not in v.message  # not read as False, "unsafe" or "clean"

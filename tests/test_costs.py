@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from widgets.costs import FIXES_BENCH, fix_costs, load_fixes_bench, show_fix_costs
+from widgets.costs import FIXES_BENCH, fix_costs, load_fixes_bench, scrub_cost, show_fix_costs
 
 
 def bench(noise: dict | None) -> dict:
@@ -54,3 +54,20 @@ def test_the_committed_benchmark_has_a_noise_figure_and_every_fix() -> None:
     b = load_fixes_bench(FIXES_BENCH)
     assert b["rounds"] >= 3 and b["noise"]["throughput"] > 0 and b["noise"]["ttft_p50"] > 0
     assert {row["fixes"] for row in b["table"]} == {"none", "all", *FIXES}
+
+
+def test_the_scrub_cost_is_what_zeroing_adds_to_a_plain_release(tmp_path: Path) -> None:
+    rows = [
+        {"page_size": 16, "release_us_per_token_scrub": 0.080, "release_us_per_token_plain": 0.005,
+         "scrub_over_plain": 16.0},
+        {"page_size": 512, "release_us_per_token_scrub": 0.061, "release_us_per_token_plain": 0.001,
+         "scrub_over_plain": 61.0},
+    ]  # fmt: skip
+    f = tmp_path / "fixes.json"
+    f.write_text(json.dumps({**bench(None), "scrub_by_page_size": rows, "torch_threads": 2}))
+    cost = scrub_cost(f)
+    assert cost.extra_us == pytest.approx((0.060, 0.075))  # scrub minus plain, not the scrub alone
+    assert cost.times_plain == (16.0, 61.0) and cost.page_sizes == (16, 512)
+    said = cost.describe()
+    assert "0.060-0.075 µs more than a plain release, 16-61x its time" in said
+    assert "a CPU with 2 torch threads, not on this machine" in said

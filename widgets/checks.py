@@ -47,9 +47,13 @@ def _run(exercise: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, Verdic
     if not callable(fn):
         return None, _verdict(exercise, False, f"expected a function, got {fn!r}")
     try:
-        return fn(*args), None
+        got = fn(*args)
     except Exception as exc:  # the learner's bug, shown as a message
         return None, _verdict(exercise, False, f"your function raised {type(exc).__name__}: {exc}")
+    if got is None:  # the stub as given (`...`), or a path with no `return`: no exercise's answer
+        said = "your function returned None: replace the `...` with your code, and return the answer"
+        return None, _verdict(exercise, False, said)
+    return got, None
 
 
 def solution(name: str) -> Any:
@@ -468,10 +472,18 @@ def check_counterexample_bounds(bounds: dict[str, Any]) -> Verdict:
     bug = check_protocol(sc, Fixes.none())
     if bug.violation is None:
         long = [r.name for r in sc.requests if r.pages > sc.prefill_pages]
-        if not long:
+        if not long and sc.context_pages <= sc.prefill_pages:
+            hint = (
+                f"the context ({sc.context_pages} pages) is no longer than the {sc.prefill_pages}-page "
+                "prefill pool, so every valid prompt fits it and prefill never makes the one-token stub: "
+                "raise context_pages above prefill_pages (the incident's gap), then make one prompt "
+                "longer than the pool."
+            )
+        elif not long:
             hint = (
                 f"every prompt fits the {sc.prefill_pages}-page prefill pool, so prefill never makes the "
-                "one-token stub: make one prompt longer than the pool, but within the context."
+                f"one-token stub: make one prompt longer than the pool, but within the context "
+                f"({sc.context_pages} pages)."
             )
         elif len({r.tenant for r in sc.requests}) < 2:
             hint = "every request is one tenant's: a stale page is only a leak when another tenant wrote it."

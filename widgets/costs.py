@@ -71,8 +71,34 @@ def show_fix_costs(names: list[str], path: Path = FIXES_BENCH) -> list[FixCost]:
     return costs
 
 
-def scrub_cost_per_token_us(path: Path = FIXES_BENCH) -> tuple[float, float]:
-    """The measured range of the cost of zeroing one freed token's K/V, microseconds."""
-    rows = load_fixes_bench(path)["scrub_by_page_size"]
-    us = [r["release_us_per_token_scrub"] for r in rows]
-    return min(us), max(us)
+@dataclass(frozen=True)
+class ScrubCost:
+    """What zeroing a freed token's K/V adds to its release, over the page sizes measured."""
+
+    extra_us: tuple[float, float]  # microseconds per token, scrub minus a plain release
+    times_plain: tuple[float, float]  # scrubbed release time / plain release time
+    page_sizes: tuple[int, int]
+    torch_threads: int | None
+
+    def describe(self) -> str:
+        (lo, hi), (rlo, rhi) = self.extra_us, self.times_plain
+        where = f"a CPU with {self.torch_threads} torch threads" if self.torch_threads else "a CPU"
+        return (
+            f"zeroing one freed token's K/V: {lo:.3f}-{hi:.3f} µs more than a plain release, "
+            f"{rlo:.0f}-{rhi:.0f}x its time (pages of {self.page_sizes[0]}-{self.page_sizes[1]} tokens; "
+            f"bench/fixes.py on {where}, not on this machine)"
+        )
+
+
+def scrub_cost(path: Path = FIXES_BENCH) -> ScrubCost:
+    """The measured cost of `scrub-on-free`'s zeroing, from `bench/fixes.py`'s results."""
+    bench = load_fixes_bench(path)
+    rows = bench["scrub_by_page_size"]
+    extra = [r["release_us_per_token_scrub"] - r["release_us_per_token_plain"] for r in rows]
+    times = [r["scrub_over_plain"] for r in rows]
+    sizes = [r["page_size"] for r in rows]
+    return ScrubCost(_span(extra), _span(times), _span(sizes), bench.get("torch_threads"))
+
+
+def _span(values: list[Any]) -> tuple[Any, Any]:
+    return min(values), max(values)
