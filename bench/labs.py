@@ -2,7 +2,7 @@
 
     python bench/labs.py            # all of labs/, reference answers on; writes bench/results/labs-cpu.json
     python bench/labs.py --only 05 --out-dir /tmp/labs   # one notebook
-    python bench/labs.py --student             # the student copies (exercises unanswered); writes no JSON
+    python bench/labs.py --student             # as students get them (exercises unanswered); writes no JSON
 
 Prints each notebook's time, the peak memory of the notebook kernel plus the engine processes it
 started (summed PSS of every process below this one, sampled every 0.2 s) and each exercise

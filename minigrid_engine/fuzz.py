@@ -386,10 +386,9 @@ class Campaign:
             rep.oversized_accepted += o.status == 200 and s.prompt_tokens > cfg.prefill_pool_tokens
             want = expected_status(s, cfg)
             if want is not None and (o.status, o.code) != want:
-                expected, got = (" ".join(str(x) for x in pair if x is not None) for pair in (want, (o.status, o.code)))
                 rep.unexpected.append(
                     f"request {s.index} ({s.prompt_tokens} + {s.max_tokens} tokens): "
-                    f"expected {expected}, got {got}"
+                    f"expected {_said(*want)}, got {_said(o.status, o.code)}"
                 )
             if o.status != 200:
                 continue
@@ -407,6 +406,11 @@ class Campaign:
             if readable and o.finding is not None and len(rep.examples) < 3:
                 rep.examples.append(f"request {s.index}, {s.prompt_tokens} tokens: {o.finding.explain()}")
         return rep
+
+
+def _said(status: int, code: str | None) -> str:
+    """A status as the campaign reports it: "400 context_length_exceeded", "200", "0 ConnectError"."""
+    return f"{status} {code}" if code else str(status)
 
 
 def fuzz(cfg: ServeConfig, campaign: FuzzConfig | None = None, progress: bool = False) -> FuzzReport:

@@ -8,12 +8,12 @@ times it.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import needs
 import pytest
+from notebooks import committed_clean
 
 from minigrid_engine.canary import longest_shared_run
 
@@ -31,16 +31,10 @@ def test_there_is_a_series() -> None:
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebooks_are_committed_clean_and_follow_the_pattern(nb: Path) -> None:
-    data = json.loads(nb.read_text())
-    assert data["metadata"]["kernelspec"]["name"] == "python3"
-    for cell in data["cells"]:
-        if cell["cell_type"] == "code":
-            assert not cell.get("outputs") and cell.get("execution_count") is None, f"{nb.name} has outputs"
-    tagged = [c for c in data["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
-    assert len(tagged) == 1, f"{nb.name} needs exactly one cell tagged parameters"
-    params = "".join(tagged[0]["source"])
-    assert "result_path" in params and "reveal_solutions = False" in params
-    text = "\n".join("".join(c["source"]) for c in data["cells"])
+    data = committed_clean(nb)
+    (params,) = [c.source for c in data.cells if "parameters" in c.metadata.get("tags", [])]
+    assert "reveal_solutions = False" in params
+    text = "\n".join(c.source for c in data.cells)
     assert "**You will:**" in text and "## Key points" in text, f"{nb.name}: objectives and key points"
     assert "check_" in text, f"{nb.name} has no exercise checker"
     assert "labs/.solutions" not in text.replace("labs/INSTRUCTOR.md", ""), "solutions are not shown"
