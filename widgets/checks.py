@@ -269,7 +269,7 @@ def check_prediction(
     lesson: str = "each fix shows the client something different: that is the lesson.",
 ) -> Verdict:
     """Predicted client outcomes ('200 leak', '400', 'error', '200 clean', or 'no engine' where
-the engine refuses to start) against what ran."""
+    the engine refuses to start) against what ran."""
     if not predicted or any(v in (None, "", "?") for v in predicted.values()):
         return _verdict("prediction", False, f"fill in a prediction for {', '.join(observed)} first.")
     wrong = {f: (predicted.get(f), o) for f, o in observed.items() if predicted.get(f) != o}
