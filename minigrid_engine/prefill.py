@@ -210,6 +210,8 @@ class PrefillScheduler:
                 self._stub(req)
             if self._gone(req):
                 continue
+            if req.stubbed_from is not None:  # the incident's path: the stub goes on as if alive
+                self.counters["stubbed"] += 1
             req.advance(State.WAITING, self.trace, role="prefill")
             self.waiting.append(req)
             self.send_decode(Bootstrapped(req.room or 0))
@@ -224,7 +226,6 @@ class PrefillScheduler:
         )
         req.stubbed_from = req.prompt_len
         req.prompt_ids = [STUB_TOKEN]
-        self.counters["stubbed"] += 1
         self.trace.emit(
             "stub",
             req.request_id,

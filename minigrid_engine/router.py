@@ -82,6 +82,10 @@ def _recv(conn: Connection) -> object:
 # ("the prefill worker refused to start: WHY", or serve's "the prefill and decode workers ..."); the
 # Python handle reads it back to tell a refusal from a crash.
 REFUSED_TAIL = "refused to start: "
+# `minigrid_requests_total{outcome}`: 200 ok; 4xx rejected (the engine refused the prompt) or invalid
+# (a bad body), unauthorized (401); 5xx aborted (failed in the engine) or unavailable (restarting,
+# down); disconnected (the client hung up first).
+OUTCOMES = ("ok", "rejected", "invalid", "unauthorized", "aborted", "unavailable", "disconnected")
 
 
 class StartupError(MinigridError):
@@ -310,6 +314,8 @@ class Router:
         self.requests_total = Counter(
             "minigrid_requests", "Completion requests by outcome", ["outcome"], registry=self.registry
         )
+        for outcome in OUTCOMES:  # every series exported from the start: an alert sees 0, not no data
+            self.requests_total.labels(outcome)
         self.ttft = Histogram(
             "minigrid_time_to_first_token_seconds",
             "Time to first token",
@@ -1435,7 +1441,12 @@ class _PoolCollector:
                 "owner_check_violations",
                 "Page reads by a request that was not the page's last writer",
             ),
-            ("minigrid_prefill_stubbed_requests", "stubbed", "Prompts replaced by a one-token stub"),
+            (
+                "minigrid_prefill_stubbed_requests",
+                "stubbed",
+                "Prompts too long for the prefill pool that went on as a one-token stub, the incident's "
+                "path (a prompt reject-before-transfer refuses is counted rejected, not here)",
+            ),
         ):
             fam = CounterMetricFamily(name, doc)
             fam.add_metric([], counters.get(key, 0.0))

@@ -78,6 +78,7 @@ def test_reject_before_transfer_reserves_no_decode_page() -> None:
         for outcome, more in (("rejected", 1), ("aborted", 0), ("ok", 0), ("error", 0)):
             key = f'minigrid_requests_total{{outcome="{outcome}"}}'
             assert after.get(key, 0) - before.get(key, 0) == more, (outcome, after)
+        assert after["minigrid_prefill_stubbed_requests_total"] == 0  # refused, not sent on as a stub
         trace = eng.trace()
         assert not [e for e in trace["decode"] if e["kind"] == "reserve" and e["tenant"] == "bob"]
         assert not [e for e in trace["prefill"] if e["kind"] == "reserve" and e["tenant"] == "bob"]
@@ -89,6 +90,7 @@ def test_coverage_check(n: Numbers) -> None:
     assert rep.reply.status == 500 and rep.reply.error["code"] == "kv_coverage_mismatch"
     assert m['minigrid_requests_total{outcome="aborted"}'] == 1  # an error, not a refusal
     assert m.get('minigrid_requests_total{outcome="rejected"}', 0) == 0
+    assert m["minigrid_prefill_stubbed_requests_total"] >= 1  # the stub went on: decode caught it
     assert f"prefill wrote 1 token of KV, decode preallocated {n.attacker_len}" in rep.reply.error["message"]
     assert "KV coverage mismatch" in log  # named in the log
     assert rep.reply.text == ""

@@ -26,6 +26,7 @@ from minigrid_engine.errors import MinigridError
 from minigrid_engine.handle import Engine, EngineRefused
 from minigrid_engine.openai_api import CHAT, TEXT, BadRequest, Bodies, TextStream, chat_prompt, error_param
 from minigrid_engine.request import Request
+from minigrid_engine.router import OUTCOMES
 from minigrid_engine.tokenizer import ByteTokenizer
 
 TENANTS = {"alice": "sk-alice", "bob": "sk-bob"}
@@ -224,6 +225,8 @@ def test_refusals_are_counted_under_their_outcome(engine: Engine) -> None:
         o: after.get(key(o), 0) - before.get(key(o), 0) for o in ("unauthorized", "invalid", "ok", "rejected")
     }
     assert moved == {"unauthorized": 1, "invalid": 1, "ok": 0, "rejected": 0}, moved
+    # every outcome is a series from the start (none restarted or hung up here): an alert on it sees 0
+    assert all(key(o) in after for o in OUTCOMES) and after[key("unavailable")] == 0
 
 
 @pytest.mark.parametrize("stop", [None, "card"])
