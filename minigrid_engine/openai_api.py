@@ -30,6 +30,12 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses it too (t
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_TOKENS = 128
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: deprecated
+# A message's fields in OpenAI's chat API. Only `role` and `content` shape the prompt; the others
+# (a name, an earlier turn's tool calls and their ids) are history the model cannot use. Any other
+# field is refused by name, as a body's unknown fields are.
+MESSAGE_FIELDS = frozenset(
+    {"role", "content", "name", "tool_call_id", "tool_calls", "function_call", "refusal", "audio"}
+)
 # OpenAI parameters minigrid does not implement, each with the values that mean "off" (clients send
 # their defaults: accepted) and what minigrid does instead. Any other value is refused, never
 # ignored: an answer that silently lacks what was asked for is wrong in a way the client cannot see.
@@ -299,6 +305,7 @@ class Bodies:
             where = f"messages[{i}]"
             if not isinstance(m, dict):
                 raise BadRequest(f"'{where}' must be an object, got {shown(m)}", "invalid_type", "messages")
+            _refuse_unknown(m, MESSAGE_FIELDS, f"a field of a chat message ({where})", f"{where}.")
             role = m.get("role")
             if role not in CHAT_ROLES:
                 raise BadRequest(

@@ -318,6 +318,18 @@ CHAT_FIELDS: dict[str, tuple[Any, int, str, str | None]] = {
         "unknown_parameter",
         "prompt",
     ),
+    "unknown field in a message": (
+        {"messages": [{"role": "system", "content": "brief"}, {"role": "user", "content": "hi", "foo": 1}]},
+        400,
+        "unknown_parameter",
+        "messages[1].foo",
+    ),
+    "misspelt content": (
+        {"messages": [{"role": "user", "contents": "hi"}]},
+        400,
+        "unknown_parameter",
+        "messages[0].contents",
+    ),
 }
 
 # Authorization headers that must not get in (None: no header at all).
