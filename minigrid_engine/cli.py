@@ -464,8 +464,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="complete one prompt in a single process")
     g.add_argument("--tenant", default="cli", help="who the request is for; pages carry this name (cli)")
-    g.add_argument("--prompt", help="prompt text")
-    g.add_argument("--prompt-file", type=argparse.FileType("rb"), help="read the prompt (UTF-8) from a file")
+    given = g.add_mutually_exclusive_group()  # one prompt: both would leave one silently unused
+    given.add_argument("--prompt", help="prompt text")
+    given.add_argument(
+        "--prompt-file", type=argparse.FileType("rb"), help="read the prompt (UTF-8) from a file"
+    )
     g.add_argument("--max-tokens", type=positive_int, default=32, help="most tokens to generate (32)")
     g.add_argument(
         "--temperature",

@@ -24,6 +24,10 @@ from minigrid_engine.cli import build_parser
         (["generate", "--prompt", "hi", "--max-tokens", "-3"], "-3 must be at least 1"),
         (["generate", "--prompt", "hi", "--stop", ""], "a stop sequence is empty"),
         (
+            ["generate", "--prompt", "hi", "--prompt-file", "/dev/null"],
+            "argument --prompt-file: not allowed with argument --prompt",
+        ),
+        (
             ["generate", "--prompt", "hi", "--temperature", "3"],
             "'temperature' must be a number from 0 to 2, got 3",
         ),
