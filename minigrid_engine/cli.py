@@ -264,7 +264,7 @@ def _check_writable(path: Path, flag: str) -> None:
 
 def _workshop(args: argparse.Namespace, changes: dict[str, object]):  # -> Callable[[str], list[str]]
     """Workshop mode: the room's keys (checked before anything starts), written once it listens."""
-    from minigrid_engine.workshop import check_keys_file, make_room, write_keys
+    from minigrid_engine.workshop import check_keys_file, dialable_host, make_room, write_keys
 
     if args.tenants is not None or args.admin_key is not None:
         raise MinigridError(
@@ -279,11 +279,16 @@ def _workshop(args: argparse.Namespace, changes: dict[str, object]):  # -> Calla
     changes["tenants"], changes["admin_key"] = room.students, room.instructor_key
 
     def written(url: str) -> list[str]:
-        host = url.split("//", 1)[1].rsplit(":", 1)
-        if args.public_url is None and host[0].strip("[]") in ("0.0.0.0", "::"):
-            import socket
-
-            url = f"http://{socket.getfqdn()}:{host[1]}"  # what students' machines can dial
+        host, port = url.split("//", 1)[1].rsplit(":", 1)
+        warn = []
+        if args.public_url is None and host.strip("[]") in ("0.0.0.0", "::"):
+            dial = dialable_host()  # what students' machines can dial
+            if dial is None:
+                warn.append(
+                    "workshop: WARNING: this machine has no name or address other machines can dial "
+                    f"(only loopback): the keys files say localhost; give --public-url http://HOST:{port}"
+                )
+            url = f"http://{dial or 'localhost'}:{port}"
         shown = (args.public_url or url).rstrip("/")
         paths = write_keys(replace(room, url=shown), keys_file, args.overwrite_keys)
         return [
@@ -291,6 +296,7 @@ def _workshop(args: argparse.Namespace, changes: dict[str, object]):  # -> Calla
             f"{paths[0]} and {paths[1]} (mode 0600; the keys are not printed here)",
             f"workshop: students connect with Engine.connect({shown!r}, KEY); "
             "delete the keys files after class",
+            *warn,
         ]
 
     return written

@@ -78,6 +78,33 @@ def make_room(n: int, url: str = "") -> Room:
     return Room({name: new_key() for name in student_names(n)}, new_key(), url)
 
 
+def dialable_host() -> str | None:
+    """A name or address of this machine that other machines can dial, for a room served on every
+    interface (0.0.0.0): the host name when it resolves to a non-loopback address, else the address
+    this machine sends from (found by pointing a UDP socket at a documentation address: no packet
+    leaves). None when there is only loopback: the instructor must give --public-url."""
+    import ipaddress
+    import socket
+
+    def outward(name: str) -> bool:
+        try:
+            infos = socket.getaddrinfo(name, None)
+        except OSError:
+            return False
+        return bool(infos) and not any(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+    for name in (socket.gethostname(), socket.getfqdn()):
+        if name and outward(name):
+            return name
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if ipaddress.ip_address(address).is_loopback or address == "0.0.0.0" else address
+
+
 def keys_paths(path: Path) -> tuple[Path, Path]:
     """The CSV file and its JSON twin beside it: the name given is the CSV, unless it ends in
     `.json` (then it is the JSON, and the CSV is the same name in `.csv`)."""

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -29,6 +30,7 @@ from minigrid_engine.workshop import (
     ROOM_FIXES,
     LeakSizes,
     Room,
+    dialable_host,
     keys_paths,
     load_keys,
     oversized_prompt,
@@ -309,3 +311,86 @@ def test_a_students_own_secrets_are_not_anothers() -> None:
     assert whose_secrets(f"x {own}; y", "student01") == {}
     assert whose_secrets(f"x {own}; {other}; y", "student01") == {"student02": {other}}
     assert whose_secrets(f"x {own}; y", "student02") == {"student01": {own}}
+
+
+class _Probe:
+    """A UDP socket whose connect finds `address` as this machine's (None: no route at all)."""
+
+    address: str | None = None
+
+    def __init__(self, *args: object) -> None: ...
+
+    def __enter__(self) -> _Probe:
+        return self
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def connect(self, where: object) -> None:
+        if self.address is None:
+            raise OSError("Network is unreachable")
+
+    def getsockname(self) -> tuple[str, int]:
+        assert self.address is not None
+        return self.address, 40000
+
+
+@pytest.mark.parametrize(
+    ("names", "route", "dialed"),
+    [
+        ({"lab-pc": "10.1.2.3", "localhost": "127.0.0.1"}, "10.1.2.3", "lab-pc"),  # its name resolves
+        ({"vm": "127.0.1.1", "localhost": "127.0.0.1"}, "192.0.2.2", "192.0.2.2"),  # only its address
+        ({"vm": "127.0.1.1", "localhost": "127.0.0.1"}, None, None),  # no route: --public-url
+        ({"vm": "127.0.1.1", "localhost": "127.0.0.1"}, "127.0.0.1", None),
+    ],
+    ids=["name", "address", "no-route", "loopback-route"],
+)
+def test_a_room_on_every_interface_is_dialed_by_a_name_or_address_others_reach(
+    monkeypatch: pytest.MonkeyPatch, names: dict[str, str], route: str | None, dialed: str | None
+) -> None:
+    import socket
+
+    def getaddrinfo(name: str, *args: object) -> list[tuple[Any, ...]]:
+        if name not in names:
+            raise socket.gaierror(f"unknown host {name}")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (names[name], 0))]
+
+    host = next(iter(names))
+    monkeypatch.setattr(socket, "gethostname", lambda: host)
+    monkeypatch.setattr(socket, "getfqdn", lambda: "localhost")
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(_Probe, "address", route)
+    monkeypatch.setattr(socket, "socket", _Probe)
+    assert dialable_host() == dialed
+
+
+@pytest.mark.parametrize("dial", ["lab-pc", None])
+def test_the_keys_files_name_what_students_dial_or_the_log_says_to_give_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dial: str | None
+) -> None:
+    from minigrid_engine import cli, workshop
+
+    monkeypatch.setattr(workshop, "dialable_host", lambda: dial)
+    keys = tmp_path / "room.csv"
+    args = cli.build_parser().parse_args(
+        ["serve", "--workshop", "2", "--host", "0.0.0.0", "--keys-file", str(keys)]
+    )
+    said = cli._workshop(args, {})("http://0.0.0.0:8629")
+    url = load_keys(keys.with_suffix(".json")).url
+    if dial is not None:
+        assert url == "http://lab-pc:8629" and not any("WARNING" in line for line in said)
+    else:  # nothing better than localhost: written, and said plainly
+        assert url == "http://localhost:8629"
+        assert "give --public-url http://HOST:8629" in said[-1] and "WARNING" in said[-1]
+    public = cli.build_parser().parse_args(
+        [
+            "serve",
+            "--workshop",
+            "2",
+            "--keys-file",
+            str(tmp_path / "p.csv"),
+            "--public-url",
+            "https://room.example/",
+        ]
+    )
+    cli._workshop(public, {})("http://0.0.0.0:8629")
+    assert load_keys(tmp_path / "p.json").url == "https://room.example"
