@@ -307,6 +307,7 @@ class Router:
         self._plock = threading.Lock()
         self.started_at = time.time()
         self.startup_log: list[str] = []
+        self.startup_said = 0  # of those, the first lines already printed (remote mode: before it waits)
         self.recovery = Recovery(cfg.worker_restarts, cfg.remote, cfg.worker_restart_window_s)
         self.generation = 0  # bumped by each start of the workers
         self._closed = False  # stop_workers was called: a death now is the router stopping
@@ -400,6 +401,7 @@ class Router:
             )
             self.startup_log.append(line)
             print(f"minigrid: {line}", file=sys.stderr, flush=True)
+        self.startup_said = len(self.startup_log)  # said already: serve() prints only what follows
         accepted: queue.Queue[tuple[Connection, object]] = queue.Queue()
 
         def hello(conn: Connection) -> None:  # the key, then Ready, or (a remote worker) Join first
@@ -524,8 +526,7 @@ class Router:
                 msg = link.conn.recv()
             except (EOFError, OSError):
                 link.dead_reason = link.dead_reason or link.death(wait_s=5)
-                log.error("%s", link.dead_reason)
-                self._worker_died(link)
+                self._worker_died(link)  # says it, with what the router does about it
                 return
             if isinstance(msg, Tokens):
                 self._stream(msg)
@@ -595,7 +596,8 @@ class Router:
             if self._closed and link.generation == self.generation:
                 self._fail_rooms(link.worker, link.dead_reason or link.death())
             return
-        print(f"minigrid: {failure.reason}; {self.recovery.note}", file=sys.stderr, flush=True)
+        # the note names the failure: "restarting ... after REASON", or "REASON; the router will not ..."
+        print(f"minigrid: {self.recovery.note}", file=sys.stderr, flush=True)
         threading.Thread(target=self._recover, args=(restart, dead), name="recover", daemon=True).start()
 
     def _first_failure(self, link: WorkerLink) -> WorkerFailure:
@@ -1165,7 +1167,8 @@ class Router:
                     "you": tenant,  # "admin" for the admin key, else the key's tenant
                     # a tenant learns its own name only, never who else the engine serves
                     "tenants": sorted(c.tenants) if tenant == ADMIN else [tenant],
-                    "startup_log": router.startup_log,
+                    # the admin's: it names the weights' path and the hosts' addresses
+                    **({"startup_log": router.startup_log} if tenant == ADMIN else {}),
                 }
             )
 

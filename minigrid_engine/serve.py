@@ -74,7 +74,7 @@ def serve(
     with _terminate_interrupts():
         try:
             router.start_workers()
-            for line in router.startup_log:
+            for line in router.startup_log[router.startup_said :]:
                 print(f"minigrid: {line}", file=sys.stderr, flush=True)
             host, port = sock.getsockname()[:2]
             url = f"http://{host}:{port}"

@@ -272,3 +272,9 @@ def test_a_worker_with_the_wrong_key_is_refused(tmp_path: Path) -> None:
                 proc.wait(timeout=15)
     said = serve.stderr.read() if serve.stderr else ""
     assert "refused a connection to " in said and "a wrong key" in said and "Traceback" not in said, said
+    # said once, before the router waits (serve's startup lines do not repeat them)
+    assert said.count("KV transfer on 127.0.0.2") == 1 and said.count("waiting 600 s for 1 decode") == 1, said
+    assert "decode-0 joined from another host" in said, said
+    # the worker's end, said once: what died, then why the router does not restart it
+    down = "minigrid: the decode worker died (its connection closed); the router will not restart"
+    assert down in said and said.count("the decode worker died") == 1, said

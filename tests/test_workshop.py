@@ -148,6 +148,7 @@ def test_students_see_their_own_trace_and_config_only(room: Workshop) -> None:
     assert all(e["tenant"] == "student02" for evs in theirs.values() for e in evs)
     assert "student02" not in json.dumps(mine) and "student01" not in json.dumps(theirs)
     assert s1.config()["tenants"] == ["student01"]
+    assert "startup_log" not in s1.config()  # the admin's: paths of this host, addresses of others
     with pytest.raises(MinigridError, match="admin"):
         s1.pools()
 
