@@ -35,7 +35,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from packaging.version import InvalidVersion, Version
@@ -45,6 +45,7 @@ from prometheus_client.samples import Sample
 from minigrid_engine.errors import MinigridError
 
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+ROOT_ENDPOINTS = ("metrics", "health", "server_info", "get_server_info")  # pasted: read as their root
 FIXED_SGLANG = Version("0.5.22")  # INCIDENT.md: operators of disaggregated SGLang should run it or later
 DISAGGREGATED_ROLES = ("prefill", "decode")
 # What goes wrong when a pool of that role is smaller than the context: prefill builds the prompt's
@@ -290,6 +291,7 @@ class _Reader:
 
     def __init__(self, client: httpx.Client, base: str) -> None:
         self.client, self.base = client, base
+        self.keyed = "authorization" in client.headers  # --api-key given
 
     def get(self, path: str) -> httpx.Response:
         target = self.base + path
@@ -300,9 +302,12 @@ class _Reader:
         except httpx.HTTPError as exc:
             raise MinigridError(f"cannot read {target}: {exc}") from None
         if r.status_code in (401, 403):
-            raise MinigridError(
-                f"{target} answered HTTP {r.status_code}: give the server's key with --api-key"
+            said = (
+                "the key given with --api-key was refused"
+                if self.keyed
+                else "give the server's key with --api-key"
             )
+            raise MinigridError(f"{target} answered HTTP {r.status_code}: {said}")
         return r
 
     def json(self, path: str) -> dict[str, Any] | None:
@@ -352,17 +357,20 @@ def _sglang_reading(
 
 
 def server_root(url: str) -> str:
-    """The server's root from what an operator may paste: `http://h:30000/`, `.../metrics`, or the
-    OpenAI base URL `.../v1` that `minigrid probe` and OpenAI clients take."""
+    """The server's root from what an operator may paste: `http://h:30000/`, an endpoint of it
+    (`.../metrics`, `.../health`, `.../server_info`), or the OpenAI base URL `.../v1` that
+    `minigrid probe` and OpenAI clients take, with or without an endpoint after it (`/v1/models`)."""
     base = url.rstrip("/")
-    for suffix in ("/metrics", "/v1"):
-        try:
-            path = urlsplit(base).path  # the path's, not a host's: http://v1:8000 stays as it is
-        except ValueError:
-            return base  # not a URL: the first GET names it
-        if path.endswith(suffix):
-            base = base.removesuffix(suffix).rstrip("/")
-    return base
+    try:
+        parts = urlsplit(base)
+    except ValueError:
+        return base  # not a URL: the first GET names it
+    segments = parts.path.split("/")  # the path's, not a host's: http://v1:8000 stays as it is
+    if "v1" in segments:
+        segments = segments[: segments.index("v1")]
+    elif segments[-1] in ROOT_ENDPOINTS:
+        segments = segments[:-1]
+    return urlunsplit(parts._replace(path="/".join(segments).rstrip("/"))).rstrip("/")
 
 
 def read_server(client: httpx.Client, url: str) -> ServerReading:
@@ -430,9 +438,10 @@ def audit(
     urls = (urls,) if isinstance(urls, str) else tuple(urls)
     if not urls:
         raise MinigridError("give at least one --url to audit")
+    roots = dict.fromkeys(server_root(u) for u in urls)  # a server given twice is read once
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(timeout=timeout_s, headers=headers) as client:
-        readings = [read_server(client, u) for u in urls]
+        readings = [read_server(client, root) for root in roots]
     stated = [r.context_length for r in readings if r.context_length is not None]
     context = context_length or (max(stated) if stated else None)
     if context is None:

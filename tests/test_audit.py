@@ -167,6 +167,11 @@ def test_the_openai_base_url_is_read_as_the_server(serve: Any, suffix: str) -> N
         ("http://v1", "http://v1"),  # a host named v1 is not a path
         ("http://metrics:9090/", "http://metrics:9090"),
         ("http://h:30000/v10", "http://h:30000/v10"),
+        ("http://h:30000/v1/models", "http://h:30000"),
+        ("https://gw/sglang/v1/chat/completions", "https://gw/sglang"),
+        ("http://h:30000/health", "http://h:30000"),
+        ("http://h:30000/get_server_info/", "http://h:30000"),
+        ("http://h:30000/models", "http://h:30000/models"),  # a prefix the proxy may need
     ],
 )
 def test_server_roots(url: str, root: str) -> None:
@@ -180,6 +185,16 @@ def test_a_key_protected_server_asks_for_the_key(serve: Any) -> None:
     proc = minigrid("audit", "--url", server.url, "--api-key", "sk-ops-1234", timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert server.authorizations[-1] == "Bearer sk-ops-1234"
+    proc = minigrid("audit", "--url", server.url, "--api-key", "sk-old", timeout=60)
+    assert proc.returncode == 2 and "HTTP 401: the key given with --api-key was refused" in proc.stderr
+
+
+def test_a_server_pasted_as_an_endpoint_or_twice_is_read_once_at_its_root(serve: Any) -> None:
+    server = serve({"/metrics": sglang_metrics("unified", [500_000], 131_072)})
+    urls = [server.url + "/v1/models", server.url + "/health", server.url]
+    report = audit([*urls, server.url + "/v1/chat/completions"])
+    assert [p.source for p in report.pools] == [f"{server.url}/metrics (sglang)"]  # one pool, not four
+    assert report.ok
 
 
 def test_no_context_anywhere_asks_for_it(serve: Any) -> None:
