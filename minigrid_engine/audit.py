@@ -17,7 +17,8 @@ export rather than from a configuration file that may not be what is deployed. I
   cannot fit, but the audit checks what runs, and each server of a prefill/decode pair on its own).
 
 A disaggregated SGLang deployment has one server per role: give each with its own `--url` (its root;
-the `/v1` address OpenAI clients and `minigrid probe` take is read as the root). Every pool
+the `/v1` address OpenAI clients and `minigrid probe` take, or an endpoint such as `/v1/models` or
+`/metrics`, is read as the root, and a server given twice is read once). Every pool
 is held to the longest context any of them advertises (or `--context-length`), because a prompt the
 prefill side accepts must also fit the decode pool it is sent to. Where a role runs on several
 ranks, its pool is the smallest rank's: a request may land on any of them.
