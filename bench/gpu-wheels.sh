@@ -13,8 +13,8 @@
 #   router, and uvicorn, which its `minigrid serve` test starts; typing-extensions and anyio travel
 #   too, at the versions pydantic and starlette want (the image's may be older);
 # - FlashInfer, bench/kernels.py's peer: flashinfer-python (pure Python; it JIT-compiles the
-#   decode kernel with the image's nvcc on first use, a minute or two) and apache-tvm-ffi, the one
-#   of its needs that `import flashinfer` and the decode wrapper load and the image lacks. Its other
+#   decode kernel with the image's nvcc on first use, a minute or two) and what `import flashinfer`
+#   and the decode wrapper load that the image lacks: apache-tvm-ffi, requests, urllib3, tqdm. Its other
 #   needs (cutlass-dsl, cudnn-frontend, cuda-tile, nccl4py) are for other backends, loaded lazily.
 #   0.6.18.post1 is the newest that fits: 0.7.x wheels are 34-101 MB, flashinfer-cubin 300+ MB,
 #   and what travels to the device is limited to 64 MiB, the working tree included.
@@ -37,7 +37,8 @@ pins=(
   uvicorn==0.55.0
 )
 if [ "$flashinfer" != none ]; then
-  pins+=("flashinfer-python==$flashinfer" "apache-tvm-ffi==0.1.15.post2")
+  # requests (with urllib3) and tqdm: `import flashinfer` imports them (artifacts.py, autotuner.py)
+  pins+=("flashinfer-python==$flashinfer" "apache-tvm-ffi==0.1.15.post2" requests==2.34.2 urllib3==2.8.0 tqdm==4.70.1)
 fi
 
 rm -rf "$dest"  # one version of each name: two stop the whole install there

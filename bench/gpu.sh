@@ -33,6 +33,7 @@ out="${1:?usage: bench/gpu.sh RESULTS_DIR}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this tree, installed or not
 py="${PYTHON:-python3}"
+unset TRITON_INTERPRET  # the kernels compile for the GPU here, never through the CPU interpreter
 status=0
 budget=${GPU_BUDGET_S:-560}  # the device's 600 s limit, less time to send the results back
 left() {  # the step's own limit ($1), or what is left of the budget, less $2 kept for later steps
@@ -43,7 +44,7 @@ left() {  # the step's own limit ($1), or what is left of the budget, less $2 ke
 
 timeout "$(left 60)" "$py" -c 'import torch, triton; assert torch.cuda.is_available(), "no CUDA device visible"
 print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)' || exit 2
-nvidia-smi --query-gpu=name,memory.total,clocks.max.memory,driver_version --format=csv \
+timeout 20 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory,driver_version --format=csv \
   > "$out/nvidia-smi.csv" 2>&1 || true
 
 wheels=(.whl/*.whl)

@@ -369,7 +369,7 @@ def flashinfer_decode(batch: int, context: int, s: Shapes, device: torch.device)
         valid = torch.arange(blocks, device=device)[None, :] < n_blocks[:, None]
         indices = table[valid].to(torch.int32)
         last_page_len = (lens - (n_blocks - 1) * page).to(torch.int32)
-        workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+        workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device=device)  # zeroed before first use
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
         plan: dict[str, Any] = {"pos_encoding_mode": "NONE"}
         sizes = (indptr, indices, last_page_len, s.n_heads, s.n_kv_heads, s.head_dim, page)
@@ -462,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
             "cuda": torch.version.cuda,
         },
         "interpreted": kernels.interpreted(),
+        # the peer as configured: its default decode path; its docs advise tensor cores from 4 query
+        # heads per KV head (8 here), a second JIT build this run's budget leaves out
+        "flashinfer_kernel": "BatchDecodeWithPagedKVCacheWrapper, NHD, use_tensor_cores=False",
         "peak_gbps": peak,
         "peak_source": source,
         "copy_gbps": copy,
