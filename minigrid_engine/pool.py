@@ -53,9 +53,13 @@ class PoolConfig:
 
     def describe(self, model: ModelConfig, role: str = "engine", dtype: torch.dtype = torch.float32) -> str:
         """The startup line: capacity in tokens and pages, and the bytes it costs."""
-        partial = self.capacity_tokens % self.page_size
-        extra = self.page_size - partial
-        note = f" ({counted(extra, 'slot')} past the token budget)" if partial else ""
+        slots = self.n_pages * self.page_size
+        # the budget ends inside the last page: the pool holds no more tokens than the budget at once
+        note = (
+            f" ({slots} slots for the budget: at most {self.capacity_tokens} held at once)"
+            if slots > self.capacity_tokens
+            else ""
+        )
         return (
             f"{role} KV pool: {self.capacity_tokens} tokens in {counted(self.n_pages, 'page')} of "
             f"{counted(self.page_size, 'token')}{note} ({model.kv_bytes_per_token(dtype)} bytes per token, "

@@ -105,7 +105,21 @@ def test_catcher() -> None:
 def test_possibly_affected_and_messages_for_broken_answers() -> None:
     assert checks.check_possibly_affected(solution("possibly_affected")).ok
     too_wide = lambda log: [r["id"] for r in log if r["prompt_tokens"] > 681_280]  # noqa: E731 (ignores dates)
-    assert not checks.check_possibly_affected(too_wide).ok
+    v = checks.check_possibly_affected(too_wide)
+    assert not v.ok and "r1 (20 August) came before the window" in v.message
+    assert "r5 (10 September)" in v.message and "r2" not in v.message.split(";", 1)[1]  # r2 was right
+    # the two mistakes learners make, each named: an exclusive end, and >= for "longer than"
+    from datetime import date
+
+    near = lambda log: [  # noqa: E731
+        r["id"]
+        for r in log
+        if date(2026, 8, 27) <= date.fromisoformat(r["date"]) < date(2026, 9, 9)
+        and r["prompt_tokens"] >= 681_280
+    ]
+    v = checks.check_possibly_affected(near)
+    assert not v.ok and "the window is inclusive" in v.message and "r3 has exactly 681,280" in v.message
+    assert "that leaves" not in v.message  # the mistakes, not the answer
     v = checks.check_slot(lambda *a: 1 / 0)
     assert not v.ok and "ZeroDivisionError" in v.message
     v = checks.check_shortfall(None)  # type: ignore[arg-type]
@@ -135,7 +149,11 @@ def test_program_pages_against_the_recorded_kernel_run() -> None:
     rows = kernels.kernel_reads(pool, [bob.pages], [70], ["bob-2"], num_splits=2)
     assert checks.check_program_pages(solution("program_pages"), rows, bob.pages, 70, 16).ok
     v = checks.check_program_pages(lambda table, n, ps: table[: n // ps], rows, bob.pages, 70, 16)
-    assert not v.ok and "Blocks past the length" in v.message  # forgot the partly filled last page
+    assert not v.ok and "round the number of blocks up" in v.message  # forgot the partly filled last page
+    v = checks.check_program_pages(lambda table, n, ps: table, rows, bob.pages, 70, 16)
+    assert not v.ok and "Blocks past the length are never read" in v.message  # the whole table
+    v = checks.check_program_pages(lambda table, n, ps: sorted(table[: -(-n // ps)]), rows, bob.pages, 70, 16)
+    assert not v.ok and "in the block table's order" in v.message
     # right on every case of its own, wrong about what the kernel read: a reversed block table
     v = checks.check_program_pages(
         lambda table, n, ps: table[: -(-n // ps)] if n != 70 else table[::-1][:5], rows, bob.pages, 70, 16

@@ -69,6 +69,23 @@ def test_live_pool_view_follows_a_local_pool() -> None:
     assert "owner: free" in cells.hovertext[pages[-1]]
     stale = next(t for t in widget.data if t.name == "demo stale")
     assert len(stale.x) == 2  # bob holds two pages alice wrote
+    # where no widget is drawn (a text export, papermill), one line says what it is, not the figure
+    assert repr(widget).startswith("[live figure: ") and len(repr(widget)) < 200
+
+
+def test_a_static_figure_is_plotlys_json_and_a_line_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import plotly.graph_objects as go
+    from IPython import display as ipd
+
+    from widgets import live
+
+    shown: list[dict] = []
+    monkeypatch.setattr(ipd, "display", lambda bundle, raw: shown.append(bundle))
+    live.show(go.Figure(go.Scatter(x=[1], y=[2]), layout={"title": "Pages each program read"}))
+    (bundle,) = shown
+    assert bundle["text/plain"] == "[figure: Pages each program read; JupyterLab draws it]"
+    assert bundle["application/vnd.plotly.v1+json"]["data"][0]["y"] == [2]
+    assert set(bundle) == {"text/plain", "application/vnd.plotly.v1+json"}  # no plotly.js bundle
 
 
 def test_timeline_and_sequence_from_a_trace() -> None:

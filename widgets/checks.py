@@ -352,11 +352,18 @@ def check_program_pages(
             return bad
         want = table[: -(-length // ps)]
         if list(got or []) != want:
+            got_n = len(got) if isinstance(got, list | tuple) else None
+            if got_n is not None and got_n < len(want) and list(got) == want[:got_n]:
+                why = "A last page only partly filled is read too: round the number of blocks up."
+            elif got_n is not None and got_n > len(want) and list(got)[: len(want)] == want:
+                why = "Blocks past the length are never read."
+            else:
+                why = "The blocks are read in the block table's order, from its first."
             return _verdict(
                 "program_pages",
                 False,
                 f"block table {table}, {length} tokens, pages of {ps}: the kernel reads blocks 0.."
-                f"{len(want) - 1}, pages {want}; you said {got!r}. Blocks past the length are never read.",
+                f"{len(want) - 1}, pages {want}; you said {got!r}. {why}",
             )
     # and what the real kernel did, recorded under the interpreter: the splits of one kv head
     # share the blocks out, so together they read each block once
@@ -425,16 +432,35 @@ def check_possibly_affected(fn: Callable[[list[dict[str, Any]]], list[str]]) -> 
         {"id": "r6", "date": "2026-09-03", "prompt_tokens": 12_000},
         {"id": "r7", "date": "2026-09-05", "prompt_tokens": 681_281},  # one token past the pool
     ]
-    want = ["r2", "r4", "r7"]
+    # what a learner gets wrong about each request, said when it is
+    left_out = {
+        "r2": "r2 (27 August) is on the window's first day, which counts",
+        "r4": "r4 (9 September) is on the window's last day, which counts: the window is inclusive",
+        "r7": "r7 has 681,281 tokens: one token longer than the pool is enough",
+    }
+    let_in = {
+        "r1": "r1 (20 August) came before the window opened",
+        "r3": "r3 has exactly 681,280 tokens: it fits the pool, and every affected prompt was longer",
+        "r5": "r5 (10 September) came after the window closed",
+        "r6": "r6 has 12,000 tokens, far below the pool",
+    }
     got, bad = _run("possibly_affected", fn, log)
     if bad:
         return bad
-    if sorted(got or []) != want:
+    said = sorted(map(str, got)) if isinstance(got, list | tuple | set) else None
+    if said is None:
+        return _verdict(
+            "possibly_affected", False, f"return a list of ids, like ['r1']; you returned {got!r}"
+        )
+    wrong = [why for rid, why in left_out.items() if rid not in said]
+    wrong += [why for rid, why in let_in.items() if rid in said]
+    wrong += [f"{rid!r} is no id of the log" for rid in said if rid not in left_out | let_in]
+    if wrong:
         return _verdict(
             "possibly_affected",
             False,
-            f"you said {sorted(got or [])}; the window is 27 August to 9 September 2026 inclusive and "
-            "every affected prompt was longer than 681,280 tokens (the pool): that leaves r2, r4 and r7.",
+            f"you said {said}; the window is 27 August to 9 September 2026 and every affected prompt "
+            f"was longer than 681,280 tokens (the pool). " + "; ".join(wrong) + ".",
         )
     return _verdict("possibly_affected", True, "question 4 answered from your own request log.")
 

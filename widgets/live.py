@@ -31,9 +31,27 @@ def use_light_renderer() -> None:
 
 
 def show(fig: go.Figure) -> None:
-    """Display a static figure (kept in the saved notebook)."""
+    """Display a static figure, kept in the saved notebook: plotly's JSON, which JupyterLab draws,
+    and one line naming the figure, which a text or HTML export (nbconvert, GitHub) shows instead
+    of nothing."""
+    from IPython.display import display
+
     use_light_renderer()
-    fig.show()
+    bundle = fig._repr_mimebundle_(include=None, exclude=None)
+    bundle["text/plain"] = f"[figure: {_title(fig)}; JupyterLab draws it]"
+    display(bundle, raw=True)
+
+
+def _title(fig: go.Figure) -> str:
+    return fig.layout.title.text or "untitled"
+
+
+class LiveFigure(go.FigureWidget):
+    """A FigureWidget that says what it is where no widget is drawn (a text export, a notebook run
+    headless), instead of printing its whole figure."""
+
+    def __repr__(self) -> str:
+        return f"[live figure: {_title(self)}; JupyterLab draws it and redraws it from the engine]"
 
 
 class Source(Protocol):
@@ -69,7 +87,7 @@ class _LiveFigure:
     def live(self) -> go.FigureWidget:
         """The FigureWidget to display in JupyterLab (needs anywidget with plotly >= 6)."""
         if self.widget is None:
-            self.widget = go.FigureWidget(self.figure())
+            self.widget = LiveFigure(self.figure())
         return self.widget
 
     def static(self) -> go.Figure:
