@@ -8,6 +8,7 @@ real thing (`minigrid serve`, `minigrid_engine.handle`) runs them as separate pr
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -27,7 +28,7 @@ from minigrid_engine.messages import (
 )
 from minigrid_engine.model import Transformer, load_model
 from minigrid_engine.pool import KVPool, PoolConfig
-from minigrid_engine.prefill import PrefillScheduler
+from minigrid_engine.prefill import LATE, PrefillScheduler
 from minigrid_engine.tokenizer import ByteTokenizer
 from minigrid_engine.trace import Trace
 from minigrid_engine.transfer import LoopbackTransport, page_data
@@ -116,15 +117,18 @@ class InProcessCluster:
             if job.ack_only:
                 self.decode.on_abort_ack(AbortAck(job.room))
                 continue
-            assert job.begin is not None and job.done is not None
-            data = page_data(self.prefill_pool, job.src_pages)
-            self.transport.send(data)
-            arrived = self.on_the_wire(job.begin, self.transport.recv(data))
-            if arrived is not None:
-                self.decode.on_transfer_begin(*arrived)
-            self.prefill.on_transfer_sent(job.room)
-            self._done(job.done)
-            moved = True
+            verdict = self.prefill.outgoing(job, time.time())  # as the worker's sender asks
+            if verdict == "send":
+                assert job.begin is not None and job.done is not None
+                data = page_data(self.prefill_pool, job.src_pages)
+                self.transport.send(data)
+                arrived = self.on_the_wire(job.begin, self.transport.recv(data))
+                if arrived is not None:
+                    self.decode.on_transfer_begin(*arrived)
+                self._done(job.done)
+            elif verdict == "late":
+                self._done(TransferDone(job.room, False, error=LATE))
+            self.prefill.on_transfer_sent(job.room)  # its pages go back, sent or not (as the worker's)
         return moved
 
     def _done(self, msg: TransferDone) -> None:

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from minigrid_engine.config import ServeConfig
 from minigrid_engine.faults import FAULTS, NORMAL_STEPS, STEPS, Fault, parse_faults, take
@@ -40,6 +41,8 @@ from minigrid_engine.runner import FIRST_TOKEN, ModelRunner, sample, sampling_ge
 from minigrid_engine.transfer import page_checksums
 
 STUB_TOKEN = 0  # SGLang's placeholder input ids: [0]
+Outgoing = Literal["send", "cancelled", "late"]  # PrefillScheduler.outgoing: what the sender does
+LATE = "transfer deadline passed before it started"  # the failed done message of a "late" job
 
 
 @dataclass
@@ -146,6 +149,19 @@ class PrefillScheduler:
         return {r.request_id for r, _ in self.inflight.values()} | {
             r.request_id for r in self.sending.values()
         }
+
+    def outgoing(self, job: TransferJob, now: float) -> Outgoing:
+        """What the sender (the worker's sender thread, or the in-process cluster) does with `job`
+        at `now`: "send" it; with `deferred-release`, "cancelled" once decode gave up on the room
+        (nothing goes out), or "late" once the job missed its deadline (a failed done message
+        goes out instead of the data)."""
+        if job.room in self.cancelled:
+            return "cancelled"
+        if now > job.deadline:
+            # Fix `deferred-release`: a transfer that cannot start within the timeout decode applies
+            # is not started, so its data can never land in pages decode has since handed on.
+            return "late"
+        return "send"
 
     def on_transfer_sent(self, room: int) -> None:
         """The sender has pushed a request's pages and done message out: free its pages."""

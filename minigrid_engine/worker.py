@@ -52,7 +52,7 @@ from minigrid_engine.messages import (
 )
 from minigrid_engine.model import ModelConfig, default_weights_path, load_model
 from minigrid_engine.pool import KVPool, PoolConfig
-from minigrid_engine.prefill import PrefillScheduler, TransferJob
+from minigrid_engine.prefill import LATE, PrefillScheduler, TransferJob
 from minigrid_engine.trace import Trace
 from minigrid_engine.transfer import DistTransport, page_data
 
@@ -210,12 +210,10 @@ class Worker:
 
     def _transfer(self, job: TransferJob) -> None:
         assert isinstance(self.scheduler, PrefillScheduler)
-        if job.room in self.scheduler.cancelled:
-            pass  # decode gave up on it (deferred-release): nothing goes out
-        elif time.time() > job.deadline:
-            # deferred-release: a transfer that cannot start within the timeout is not started.
-            self.peers.send(TransferDone(job.room, False, error="transfer deadline passed before it started"))
-        else:
+        verdict = self.scheduler.outgoing(job, time.time())
+        if verdict == "late":
+            self.peers.send(TransferDone(job.room, False, error=LATE))
+        elif verdict == "send":
             assert job.begin is not None and job.done is not None
             data = page_data(self.pool, job.src_pages)
             decode = self.peers.of(job.room)

@@ -205,3 +205,33 @@ def test_a_failed_transfers_pages_wait_for_prefills_word_under_deferred_release(
     else:
         assert held_when_acknowledged == []
     assert_pools_whole(c)
+
+
+@pytest.mark.parametrize("cancel", ["arrives", "lost"])
+def test_a_transfer_past_its_deadline_is_never_started_even_when_decodes_cancel_is_lost(
+    model, cancel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`deferred-release` has two guards against late page data: decode's cancel, and prefill's own
+    deadline on each transfer (the release timeout). With the cancel lost, the deadline alone holds:
+    a transfer held past it sends a failed done message, never its data."""
+    monkeypatch.setenv("MINIGRID_FAULT_INJECTION", "1")
+    cfg = corrected_preset(fixes="deferred-release", inject=("delay-transfer=0.4",), release_timeout_s=0.1)
+    c = InProcessCluster(cfg, model)
+    if cancel == "lost":
+        on_abort = c.prefill.on_abort
+        c.prefill.on_abort = lambda msg: None if msg.source == "decode" else on_abort(msg)  # type: ignore[method-assign]
+    sent: list[int] = []
+
+    def wire(begin: TransferBegin, data: torch.Tensor) -> tuple[TransferBegin, torch.Tensor]:
+        sent.append(begin.room)
+        return begin, data
+
+    c.on_the_wire = wire
+    room = c.submit("alice", record_prompt("alice", 300, random.Random(6), 8), 8)
+    c.run(max_steps=10**8)  # until the held transfer comes due: idle steps are quick
+    r = c.results[room]
+    assert r.status == 504 and r.code == "kv_transfer_timeout", r
+    assert sent == []  # the held transfer came due after its deadline: no page data went out
+    late = [e for e in c.prefill_pool.trace.events() if e.kind == "fault"]
+    assert len(late) == 1  # the delay did hold it
+    assert_pools_whole(c)
