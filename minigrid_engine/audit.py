@@ -47,6 +47,7 @@ from minigrid_engine.errors import MinigridError
 
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 ROOT_ENDPOINTS = ("metrics", "health", "server_info", "get_server_info")  # pasted: read as their root
+OPENAI_ENDPOINTS = ("models", "completions", "chat", "embeddings")  # after /v1: the root is before it
 FIXED_SGLANG = Version("0.5.22")  # INCIDENT.md: operators of disaggregated SGLang should run it or later
 DISAGGREGATED_ROLES = ("prefill", "decode")
 # What goes wrong when a pool of that role is smaller than the context: prefill builds the prompt's
@@ -360,18 +361,27 @@ def _sglang_reading(
 def server_root(url: str) -> str:
     """The server's root from what an operator may paste: `http://h:30000/`, an endpoint of it
     (`.../metrics`, `.../health`, `.../server_info`), or the OpenAI base URL `.../v1` that
-    `minigrid probe` and OpenAI clients take, with or without an endpoint after it (`/v1/models`)."""
+    `minigrid probe` and OpenAI clients take, alone or with an endpoint after it (`/v1/models`).
+    A `v1` elsewhere in the path is part of the root (a gateway's `/v1/prefill` and `/v1/decode`
+    are two servers), and a query or fragment is dropped."""
     base = url.rstrip("/")
     try:
         parts = urlsplit(base)
     except ValueError:
         return base  # not a URL: the first GET names it
     segments = parts.path.split("/")  # the path's, not a host's: http://v1:8000 stays as it is
-    if "v1" in segments:
-        segments = segments[: segments.index("v1")]
+    ends = [i for i, seg in enumerate(segments) if seg == "v1" and _endpoint_after(segments[i + 1 :])]
+    if ends:
+        segments = segments[: ends[-1]]
     elif segments[-1] in ROOT_ENDPOINTS:
         segments = segments[:-1]
-    return urlunsplit(parts._replace(path="/".join(segments).rstrip("/"))).rstrip("/")
+    path = "/".join(segments).rstrip("/")
+    return urlunsplit(parts._replace(path=path, query="", fragment="")).rstrip("/")
+
+
+def _endpoint_after(rest: list[str]) -> bool:
+    """`rest` (the path after a `v1`) is nothing, or an OpenAI or server endpoint."""
+    return not rest or rest[0] in OPENAI_ENDPOINTS + ROOT_ENDPOINTS
 
 
 def read_server(client: httpx.Client, url: str) -> ServerReading:

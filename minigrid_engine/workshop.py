@@ -79,30 +79,34 @@ def make_room(n: int, url: str = "") -> Room:
 
 
 def dialable_host() -> str | None:
-    """A name or address of this machine that other machines can dial, for a room served on every
-    interface (0.0.0.0): the host name when it resolves to a non-loopback address, else the address
-    this machine sends from (found by pointing a UDP socket at a documentation address: no packet
-    leaves). None when there is only loopback: the instructor must give --public-url."""
+    """An address or name of this machine that other machines can dial, for a room served on every
+    interface (0.0.0.0): the address this machine sends from (found by pointing a UDP socket at a
+    documentation address: no packet leaves), else its host name when that resolves outside
+    loopback (here; the students' machines must resolve it too). None when there is only loopback:
+    the instructor must give --public-url. The startup log prints the URL chosen."""
     import ipaddress
     import socket
 
-    def outward(name: str) -> bool:
-        try:
-            infos = socket.getaddrinfo(name, None)
-        except OSError:
-            return False
-        return bool(infos) and not any(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+    def outward(address: str) -> bool:
+        ip = ipaddress.ip_address(address)
+        return not (ip.is_loopback or ip.is_unspecified)
 
-    for name in (socket.gethostname(), socket.getfqdn()):
-        if name and outward(name):
-            return name
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect(("192.0.2.1", 9))
             address = probe.getsockname()[0]
         except OSError:
-            return None
-    return None if ipaddress.ip_address(address).is_loopback or address == "0.0.0.0" else address
+            address = None
+    if address is not None and outward(address):
+        return str(address)
+    for name in (socket.getfqdn(), socket.gethostname()):
+        try:
+            infos = socket.getaddrinfo(name, None) if name else []
+        except OSError:
+            continue
+        if infos and all(outward(str(i[4][0])) for i in infos):
+            return name
+    return None
 
 
 def keys_paths(path: Path) -> tuple[Path, Path]:

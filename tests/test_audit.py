@@ -172,6 +172,9 @@ def test_the_openai_base_url_is_read_as_the_server(serve: Any, suffix: str) -> N
         ("http://h:30000/health", "http://h:30000"),
         ("http://h:30000/get_server_info/", "http://h:30000"),
         ("http://h:30000/models", "http://h:30000/models"),  # a prefix the proxy may need
+        ("https://gw/v1/prefill", "https://gw/v1/prefill"),  # a gateway's route: another server
+        ("https://gw/v1/decode/v1/models", "https://gw/v1/decode"),
+        ("http://h:30000/metrics?x=1#top", "http://h:30000"),
     ],
 )
 def test_server_roots(url: str, root: str) -> None:

@@ -70,4 +70,4 @@ def test_the_scrub_cost_is_what_zeroing_adds_to_a_plain_release(tmp_path: Path) 
     assert cost.times_plain == (16.0, 61.0) and cost.page_sizes == (16, 512)
     said = cost.describe()
     assert "0.060-0.075 µs more than a plain release, 16-61x its time" in said
-    assert "a CPU with 2 torch threads, not on this machine" in said
+    assert "a CPU with 2 torch threads, not measured in this run" in said

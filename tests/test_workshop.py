@@ -338,12 +338,13 @@ class _Probe:
 @pytest.mark.parametrize(
     ("names", "route", "dialed"),
     [
-        ({"lab-pc": "10.1.2.3", "localhost": "127.0.0.1"}, "10.1.2.3", "lab-pc"),  # its name resolves
-        ({"vm": "127.0.1.1", "localhost": "127.0.0.1"}, "192.0.2.2", "192.0.2.2"),  # only its address
-        ({"vm": "127.0.1.1", "localhost": "127.0.0.1"}, None, None),  # no route: --public-url
+        ({"lab-pc": "10.1.2.3", "localhost": "127.0.0.1"}, "10.1.2.3", "10.1.2.3"),  # its address first
+        ({"vm": "127.0.1.1", "localhost": "127.0.0.1"}, "192.0.2.2", "192.0.2.2"),  # a name only here
+        ({"lab-pc": "10.1.2.3", "localhost": "127.0.0.1"}, None, "lab-pc"),  # no route: the name
+        ({"vm": "127.0.1.1", "localhost": "127.0.0.1"}, None, None),  # no route, no name: --public-url
         ({"vm": "127.0.1.1", "localhost": "127.0.0.1"}, "127.0.0.1", None),
     ],
-    ids=["name", "address", "no-route", "loopback-route"],
+    ids=["address", "loopback-name", "name", "nothing", "loopback-route"],
 )
 def test_a_room_on_every_interface_is_dialed_by_a_name_or_address_others_reach(
     monkeypatch: pytest.MonkeyPatch, names: dict[str, str], route: str | None, dialed: str | None

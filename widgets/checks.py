@@ -51,7 +51,7 @@ def _run(exercise: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, Verdic
     except Exception as exc:  # the learner's bug, shown as a message
         return None, _verdict(exercise, False, f"your function raised {type(exc).__name__}: {exc}")
     if got is None:  # the stub as given (`...`), or a path with no `return`: no exercise's answer
-        said = "your function returned None: replace the `...` with your code, and return the answer"
+        said = "your function returned None: is the `...` still there, or does a path end without `return`?"
         return None, _verdict(exercise, False, said)
     return got, None
 
@@ -353,12 +353,12 @@ def check_program_pages(
         want = table[: -(-length // ps)]
         if list(got or []) != want:
             got_n = len(got) if isinstance(got, list | tuple) else None
-            if got_n is not None and got_n < len(want) and list(got) == want[:got_n]:
+            if got_n == length // ps and length % ps and list(got) == want[:got_n]:
                 why = "A last page only partly filled is read too: round the number of blocks up."
             elif got_n is not None and got_n > len(want) and list(got)[: len(want)] == want:
                 why = "Blocks past the length are never read."
             else:
-                why = "The blocks are read in the block table's order, from its first."
+                why = "A program reads the table's first blocks, in its order, as many as the length fills."
             return _verdict(
                 "program_pages",
                 False,

@@ -86,7 +86,7 @@ class ScrubCost:
         return (
             f"zeroing one freed token's K/V: {lo:.3f}-{hi:.3f} µs more than a plain release, "
             f"{rlo:.0f}-{rhi:.0f}x its time (pages of {self.page_sizes[0]}-{self.page_sizes[1]} tokens; "
-            f"bench/fixes.py on {where}, not on this machine)"
+            f"bench/fixes.py on {where}, not measured in this run)"
         )
 
 

@@ -46,7 +46,7 @@ def _title(fig: go.Figure) -> str:
     return fig.layout.title.text or "untitled"
 
 
-class LiveFigure(go.FigureWidget):
+class NamedFigureWidget(go.FigureWidget):
     """A FigureWidget that says what it is where no widget is drawn (a text export, a notebook run
     headless), instead of printing its whole figure."""
 
@@ -87,7 +87,7 @@ class _LiveFigure:
     def live(self) -> go.FigureWidget:
         """The FigureWidget to display in JupyterLab (needs anywidget with plotly >= 6)."""
         if self.widget is None:
-            self.widget = LiveFigure(self.figure())
+            self.widget = NamedFigureWidget(self.figure())
         return self.widget
 
     def static(self) -> go.Figure:
