@@ -33,6 +33,8 @@ from minigrid_engine.tokenizer import ByteTokenizer
 from minigrid_engine.trace import Trace
 from minigrid_engine.transfer import LoopbackTransport, page_data
 
+WAIT_STEP_S = 0.001  # how long `run` sleeps while only a clock is pending
+
 
 class InProcessCluster:
     def __init__(self, cfg: ServeConfig, model: Transformer | None = None) -> None:
@@ -134,15 +136,27 @@ class InProcessCluster:
     def _done(self, msg: TransferDone) -> None:
         self.decode.on_transfer_done(msg)
 
-    def run(self, max_steps: int = 100_000) -> None:
-        for _ in range(max_steps):
+    def run(self, max_steps: int = 100_000, max_wait_s: float = 60.0) -> None:
+        """Deliver and step both roles until both are idle. `max_steps` bounds the steps in which
+        something moved (a livelock fails); while nothing moves but something waits on the clock
+        (a held transfer, a release timeout), the loop sleeps, `max_wait_s` at most in all."""
+        steps, waited = 0, 0.0
+        while True:
             busy = self._deliver()
             busy |= self.prefill.step()
             busy |= self.decode.step()
             busy |= self._deliver()
-            if not busy and self.prefill.idle() and self.decode.idle():
+            if busy:
+                steps += 1
+                if steps >= max_steps:
+                    raise RuntimeError(f"in-process cluster still busy after {max_steps} steps")
+            elif self.prefill.idle() and self.decode.idle():
                 return
-        raise RuntimeError(f"in-process cluster still busy after {max_steps} steps")
+            elif waited >= max_wait_s:
+                raise RuntimeError(f"in-process cluster still waiting after {max_wait_s:g} s")
+            else:
+                time.sleep(WAIT_STEP_S)
+                waited += WAIT_STEP_S
 
     def complete(
         self,
