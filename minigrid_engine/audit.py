@@ -46,7 +46,8 @@ from prometheus_client.samples import Sample
 from minigrid_engine.errors import MinigridError
 
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
-ROOT_ENDPOINTS = ("metrics", "health", "server_info", "get_server_info")  # pasted: read as their root
+# a server's own endpoints: pasted, they are read as its root
+ROOT_ENDPOINTS = ("metrics", "health", *(p.lstrip("/") for p in SERVER_INFO_PATHS))
 OPENAI_ENDPOINTS = ("models", "completions", "chat", "embeddings")  # after /v1: the root is before it
 FIXED_SGLANG = Version("0.5.22")  # INCIDENT.md: operators of disaggregated SGLang should run it or later
 DISAGGREGATED_ROLES = ("prefill", "decode")
